@@ -6,10 +6,13 @@
 
 import argparse
 import asyncio
+import concurrent.futures
 import copy
+import inspect
 import json
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -37,6 +40,27 @@ MAX_AMOUNT = 100_000
 def canonical(value):
     """Return value as JSON text with sorted keys and no spaces: equal text means equal data, types included."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+MAX_DEPTH = 32  # nesting allowed in data from outside; deeper is refused, which also refuses cycles
+
+
+def _is_data(value, depth=0):
+    """True if value is plain JSON data: exact dicts with str keys, lists, str, bool, None, 64-bit ints, finite floats."""
+    kind = type(value)
+    if kind in (str, bool, type(None)):
+        return True
+    if kind is int:
+        return -2**63 <= value < 2**64  # wider integers do not survive most JSON readers
+    if kind is float:
+        return math.isfinite(value)
+    if depth >= MAX_DEPTH:
+        return False
+    if kind is list:
+        return all(_is_data(item, depth + 1) for item in value)
+    if kind is dict:
+        return all(type(key) is str and _is_data(item, depth + 1) for key, item in value.items())
+    return False
 
 
 def _has_keys(value, keys):
@@ -90,6 +114,7 @@ class ToolSpec:
     cost: int
     read_only: bool
     parallel_safe: bool
+    validate: Callable[[dict], bool] | None = None  # your tool's own argument check; valid_args when None
 
 
 TOOLS = {
@@ -276,7 +301,7 @@ def preflight(batch, used_ids, attempts, registry, limits):
             raise Stop("unknown_tool")
         if registry[name].read_only is not True:
             raise Stop("permission_denied")
-        if not valid_args(name, args):
+        if not _valid_for(registry[name], name, args):
             raise Stop("invalid_arguments")
         signature = canonical([name, args])  # a fresh call id does not make a new attempt
         signatures[signature] += 1
@@ -284,6 +309,21 @@ def preflight(batch, used_ids, attempts, registry, limits):
             raise Stop("repeat_limit")
         ids.add(cid)
     return ids, signatures
+
+
+def _valid_for(spec, name, args):
+    """The tool's own validate when it has one, else valid_args; own checks only ever see JSON objects."""
+    if spec.validate is None:
+        return valid_args(name, args)
+    return type(args) is dict and _is_data(args) and _passes(spec.validate, args)
+
+
+def _passes(check, *args):
+    """True only if check(*args) returns True; a check that raises has not passed."""
+    try:
+        return check(*args) is True
+    except Exception:
+        return False
 
 
 def accepted(answer, history):
@@ -362,7 +402,7 @@ def _tool_error(error):
             return code or str(error), retryable
 
 
-async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None, registry=None):
+async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None, registry=None, accept=accepted):
     """Run decisions and tool batches until an answer passes the final check or a rule stops the run; return the record."""
     limits = Limits() if limits is None else limits
     _check_limits(limits)
@@ -454,11 +494,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
                 if decision.keys() != {"kind", "answer"}:
                     raise Stop("invalid_decision")
                 answer = decision["answer"]
-                try:
-                    passed = accepted(answer, history)
-                except (TypeError, ValueError, KeyError):
-                    passed = False
-                if passed:
+                if _passes(accept, answer, history):
                     return finish("completed", answer)
                 raise Stop("invalid_final")
             if kind != "calls" or decision.keys() != {"kind", "calls"}:
@@ -527,6 +563,64 @@ def main(argv=None):
     parser.parse_args(argv)
     asyncio.run(demo())
     return 0
+
+
+# PART 6: your own tools: plain and async functions behind the same runtime
+
+class FunctionTools:
+    """Tools made of functions: `await tools.invoke(call)` returns a deep copy of functions[name](**arguments)."""
+
+    def __init__(self, functions):
+        self.functions = dict(functions)
+        self.abandoned = []  # ids of calls whose thread was still running when the runtime stopped waiting
+        self._threads = []   # their futures, to wait for at shutdown
+
+    async def invoke(self, call):
+        """Run the call's function: awaited if it is async, else in a worker thread; copy the result at delivery."""
+        function, args = self.functions[call["name"]], call["arguments"]
+        if inspect.iscoroutinefunction(function):
+            result = await function(**args)
+        else:
+            result = await self._in_thread(call["call_id"], function, args)
+        # Delivery: history gets an object nobody else holds (see result_ownership.py).
+        return copy.deepcopy(result)
+
+    async def _in_thread(self, cid, function, args):
+        outcome = concurrent.futures.Future()
+
+        def work():
+            if not outcome.set_running_or_notify_cancel():
+                return  # given up before a thread picked it up: never run it
+            try:
+                outcome.set_result(function(**args))
+            except Exception as error:
+                outcome.set_exception(error)
+            except BaseException as error:  # SystemExit in a thread is only this function's failure
+                outcome.set_exception(RuntimeError(f"the function raised {type(error).__name__}"))
+
+        # The loop's default executor, so asyncio.run() waits for these threads before it returns.
+        asyncio.get_running_loop().run_in_executor(None, work)
+        try:
+            return await asyncio.wrap_future(outcome)
+        except asyncio.CancelledError:
+            # A thread cannot be cancelled. If it has started, it runs on to its end and its
+            # late result lands in `outcome`, which nobody reads any more.
+            if not outcome.cancel() and not outcome.done():
+                self.abandoned.append(cid)
+                self._threads.append(outcome)
+            raise
+
+    async def wait_abandoned(self, seconds):
+        """Wait up to `seconds` for the abandoned threads to end; return True if none is still running."""
+        running = [asyncio.wrap_future(thread) for thread in self._threads if not thread.done()]
+        if running:
+            await asyncio.wait(running, timeout=seconds)
+            for waiter in running:
+                if waiter.done():
+                    waiter.exception()  # a late outcome, known and dropped
+                else:
+                    waiter.cancel()  # stop waiting; the thread itself runs on
+        return all(thread.done() for thread in self._threads)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import unittest
 
 from agent_loop import (
-    DATA, MODEL_COST, NOTE, SNAPSHOT, STOP_STATUSES, TOOLS, Fixtures, Limits, Stop, TemporaryError,
+    DATA, MODEL_COST, NOTE, SNAPSHOT, STOP_STATUSES, TOOLS, Fixtures, FunctionTools, Limits, Stop, TemporaryError,
     ToolSpec, accepted, bounded, call, canonical, fake_model, make_plan, preflight, run_agent,
     valid_args, valid_rows,
 )
@@ -919,6 +920,234 @@ class CommandLineTests(unittest.TestCase):
         self.assertEqual(done.returncode, 0)
         self.assertIn("demo", done.stdout)
 
+
+
+# PART 6: your own task through the unchanged runtime. Converting an amount between currencies:
+# look the rate up (async), convert with it (plain function, in a thread), answer with the result.
+
+CURRENCIES = ("EUR", "USD", "JPY")
+RATES = {("EUR", "USD"): 1_085_000, ("USD", "JPY"): 151_200_000}  # millionths of the quote per unit of the base
+AMOUNT = 12_345  # cents of EUR to convert
+
+
+def valid_rate_args(args):
+    return (args.keys() == {"base", "quote"} and all(type(v) is str and v in CURRENCIES for v in args.values())
+            and args["base"] != args["quote"])
+
+
+def valid_convert_args(args):
+    return (args.keys() == {"amount_cents", "rate_micros"}
+            and all(type(v) is int and 0 < v <= 10**12 for v in args.values()))
+
+
+CONVERSION_TOOLS = {
+    "get_rate": ToolSpec(1, True, True, validate=valid_rate_args),
+    "convert": ToolSpec(1, True, False, validate=valid_convert_args),
+}
+
+
+class RateDesk:
+    """The functions of the conversion task, with a rate cache that hands out its own objects."""
+
+    def __init__(self, block_first_convert=None):
+        self.cache, self.ran = {}, []
+        self.block_first_convert = block_first_convert  # a threading.Event the first convert waits for
+
+    async def get_rate(self, base, quote):
+        await asyncio.sleep(0)
+        self.ran.append("get_rate")
+        return self.cache.setdefault((base, quote), {"base": base, "quote": quote, "rate_micros": RATES[(base, quote)]})
+
+    def convert(self, amount_cents, rate_micros):
+        self.ran.append("convert")
+        attempt = self.ran.count("convert")
+        if attempt == 1 and self.block_first_convert is not None:
+            self.block_first_convert.wait(30)
+        for entry in self.cache.values():  # the cache refreshes: the object it handed out changes
+            entry["rate_micros"] += 1
+        return {"amount_cents": amount_cents, "rate_micros": rate_micros,
+                "converted_cents": amount_cents * rate_micros // 1_000_000, "attempt": attempt}
+
+    def functions(self):
+        return {"get_rate": self.get_rate, "convert": self.convert}
+
+
+def conversion_successes(history):
+    return [obs for record in history for obs in record["observations"] if obs["ok"]]
+
+
+async def conversion_model(history):
+    """Read the EUR->USD rate, convert AMOUNT with it, answer with the conversion."""
+    done = {obs["name"]: obs["data"] for obs in conversion_successes(history)}
+    number = len(history) + 1
+    if "get_rate" not in done:
+        return calls(call(f"rate-{number}", "get_rate", base="EUR", quote="USD"))
+    if "convert" not in done:
+        rate = done["get_rate"]["rate_micros"]
+        return calls(call(f"convert-{number}", "convert", amount_cents=AMOUNT, rate_micros=rate))
+    answer = {key: done["convert"][key] for key in ("amount_cents", "rate_micros", "converted_cents")}
+    return final(answer)
+
+
+def conversion_accepted(answer, history):
+    """The task's own final check: recompute the conversion from the rate read in history."""
+    rates = [obs["data"]["rate_micros"] for obs in conversion_successes(history)
+             if obs["name"] == "get_rate" and obs["arguments"] == {"base": "EUR", "quote": "USD"}]
+    if not rates or type(rates[-1]) is not int:
+        return False
+    rate = rates[-1]
+    expected = {"amount_cents": AMOUNT, "rate_micros": rate, "converted_cents": AMOUNT * rate // 1_000_000}
+    return canonical(answer) == canonical(expected)
+
+
+class OwnPrototypeTests(RuntimeTestCase):
+    async def run_conversion(self, desk, model=conversion_model, **options):
+        tools = FunctionTools(desk.functions())
+        options.setdefault("limits", ROOMY)
+        result = await run_agent(model, fixtures=tools, registry=CONVERSION_TOOLS, accept=conversion_accepted, **options)
+        return result, tools
+
+    async def test_own_task_completes_through_the_unchanged_runtime(self):
+        desk = RateDesk()
+        result, tools = await self.run_conversion(desk)
+        self.assertEqual(result["status"], "completed")
+        self.assertEqual(result["used"], {"rounds": 3, "calls": 2, "credits": 11})
+        self.assertEqual(result["answer"], {"amount_cents": 12345, "rate_micros": 1085000, "converted_cents": 13394})
+        self.assertEqual((desk.ran, tools.abandoned), (["get_rate", "convert"], []))
+
+    async def test_a_returned_object_changed_after_delivery_is_not_followed_by_history(self):
+        desk = RateDesk()
+        result, _ = await self.run_conversion(desk)
+        self.assertEqual(desk.cache[("EUR", "USD")]["rate_micros"], 1_085_001)  # the tool changed its object
+        self.assertEqual(result["history"][0]["observations"][0]["data"]["rate_micros"], 1_085_000)
+        self.assertEqual(result["status"], "completed")
+
+    async def test_own_validator_refuses_a_call_and_nothing_starts(self):
+        desk = RateDesk()
+        model = scripted(calls(call("r1", "get_rate", base="EUR", quote="USD"), call("r2", "get_rate", base="EUR", quote="EUR")))
+        result, _ = await self.run_conversion(desk, model)
+        self.assertEqual(result["status"], "invalid_arguments")
+        self.assertEqual((result["used"]["calls"], desk.ran), (0, []))
+
+    async def test_own_validator_must_return_true_and_must_not_raise(self):
+        def raises(args):
+            raise KeyError("private")
+
+        for validate in (raises, lambda args: 1, lambda args: "yes"):
+            with self.subTest(validate=validate):
+                registry = {"get_rate": ToolSpec(1, True, True, validate=validate)}
+                desk = RateDesk()
+                result = await run_agent(scripted(calls(call("r1", "get_rate", base="EUR", quote="USD"))),
+                                         fixtures=FunctionTools(desk.functions()), registry=registry, limits=ROOMY)
+                self.assertEqual((result["status"], desk.ran), ("invalid_arguments", []))
+
+    async def test_own_validator_only_ever_sees_json_objects(self):
+        seen = []
+        registry = {"echo": ToolSpec(1, True, True, validate=lambda args: seen.append(args) or True)}
+        for arguments in ({"when": float("nan")}, {"n": 2**70}, {"items": {1, 2}}, {"t": (1, 2)}, [1], {1: "x"}):
+            with self.subTest(arguments=arguments):
+                model = scripted(calls({"call_id": "e", "name": "echo", "arguments": arguments}))
+                result = await run_agent(model, fixtures=FunctionTools({"echo": dict}), registry=registry, limits=ROOMY)
+                self.assertEqual((result["status"], result["used"]["calls"]), ("invalid_arguments", 0))
+        self.assertEqual(seen, [])
+
+    async def test_own_final_check_decides_and_its_exceptions_count_as_not_accepted(self):
+        def raises(answer, history):
+            raise RuntimeError("private")
+
+        for accept, status in ((raises, "invalid_final"), (lambda answer, history: 1, "invalid_final"),
+                               (lambda answer, history: True, "completed")):
+            with self.subTest(accept=accept):
+                result = await run_agent(accept=accept, limits=ROOMY)
+                self.assertEqual((result["status"], result["used"]["rounds"]), (status, 3))
+                self.assertNoPrivateText(result)
+
+    async def test_a_plain_function_that_times_out_is_abandoned_and_its_late_result_dropped(self):
+        gate, desk, views = threading.Event(), RateDesk(), []
+        desk.block_first_convert = gate
+
+        async def model(history):
+            if any(obs.get("error") == "tool_timeout" for record in history for obs in record["observations"]):
+                if not gate.is_set():
+                    gate.set()  # let the abandoned thread finish before this decision
+                    self.assertTrue(await tools.wait_abandoned(30))
+                    views.append(history)
+            return await conversion_model(history)
+
+        tools = FunctionTools(desk.functions())
+        limits = dataclasses.replace(ROOMY, tool_seconds=0.2)
+        result = await run_agent(model, fixtures=tools, registry=CONVERSION_TOOLS, accept=conversion_accepted, limits=limits)
+        self.assertEqual(result["status"], "completed")
+        self.assertEqual(result["used"], {"rounds": 4, "calls": 3, "credits": 15})
+        self.assertEqual(tools.abandoned, ["convert-2"])
+        self.assertEqual(desk.ran, ["get_rate", "convert", "convert"])  # the first thread ran to its end
+        self.assertEqual(errors(result), ["tool_timeout"])
+        attempts = [obs["data"].get("attempt") for obs in observations(result) if obs["ok"]]
+        self.assertEqual(attempts, [None, 2])  # the late result of attempt 1 reached no round
+        self.assertEqual(len(views), 1)
+        self.assertNotIn(1, [obs.get("data", {}).get("attempt") for record in views[0] for obs in record["observations"]])
+
+    async def test_two_plain_functions_in_one_parallel_batch_overlap(self):
+        meeting = threading.Barrier(2, timeout=30)  # only two threads running at once can pass it
+
+        def meet(side):
+            meeting.wait()
+            return {"side": side}
+
+        registry = {"meet": ToolSpec(1, True, True, validate=lambda args: True)}
+        model = scripted(calls(call("a", "meet", side="left"), call("b", "meet", side="right")))
+        result = await run_agent(model, fixtures=FunctionTools({"meet": meet}), registry=registry, limits=ROOMY)
+        self.assertEqual(result["trace"][1]["parallel"], True)
+        self.assertEqual([obs["data"] for obs in observations(result)], [{"side": "left"}, {"side": "right"}])
+        self.assertEqual(result["used"]["calls"], 2)
+
+    async def test_function_exceptions_pass_through_for_the_runtime_to_classify(self):
+        # SystemExit only from a thread, where it means nothing; from async code asyncio lets it end the program.
+        faults = [TemporaryError("private"), PermissionError("private"), ValueError("private"), SystemExit(3)]
+        for fault, error in zip(faults, ["temporary", "permission_denied", "tool_exception", "tool_exception"]):
+            async def async_fails(**args):
+                raise fault
+
+            def plain_fails(**args):
+                raise fault
+
+            for function in (async_fails, plain_fails)[isinstance(fault, SystemExit):]:
+                with self.subTest(fault=fault, function=function.__name__):
+                    registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
+                    result = await run_agent(scripted(calls(call("a", "f"))), fixtures=FunctionTools({"f": function}),
+                                             registry=registry, limits=dataclasses.replace(ROOMY, rounds=1))
+                    self.assertEqual(errors(result), [error])
+                    self.assertEqual(result["used"]["calls"], 1)
+                    self.assertNoPrivateText(result)
+
+    async def test_cancelling_a_thread_call_abandons_it(self):
+        gate, cancel = threading.Event(), asyncio.Event()
+        started = threading.Event()
+
+        def waits():
+            started.set()
+            gate.wait(30)
+            return {"late": True}
+
+        tools = FunctionTools({"waits": waits})
+        registry = {"waits": ToolSpec(1, True, True, validate=lambda args: True)}
+        run = asyncio.create_task(run_agent(scripted(calls(call("w", "waits"))), fixtures=tools, registry=registry,
+                                            cancel=cancel, limits=ROOMY))
+        await wait_until(started.is_set)
+        cancel.set()
+        result = await run
+        self.assertEqual((result["status"], errors(result), tools.abandoned), ("cancelled", ["cancelled"], ["w"]))
+        self.assertFalse(await tools.wait_abandoned(0.01))
+        gate.set()
+        self.assertTrue(await tools.wait_abandoned(30))
+        self.assertNotIn("late", repr(result))
+
+    def test_toolspec_keeps_its_three_field_form(self):
+        spec = ToolSpec(2, True, True)
+        self.assertIsNone(spec.validate)
+        self.assertEqual(dataclasses.replace(spec, parallel_safe=False), ToolSpec(2, True, False, None))
+        with self.assertRaises(dataclasses.FrozenInstanceError):
+            spec.validate = valid_rate_args
 
 
 # The result-ownership experiment (result_ownership.py, verify_ownership.py, expected.json)
