@@ -47,18 +47,18 @@ MAX_DEPTH = 32  # nesting allowed in data from outside; deeper is refused, which
 
 def _is_data(value, depth=0):
     """True if value is plain JSON data: exact dicts with str keys, lists, str, bool, None, 64-bit ints, finite floats."""
-    kind = type(value)
-    if kind in (str, bool, type(None)):
+    of = type(value)
+    if of in (str, bool, type(None)):
         return True
-    if kind is int:
+    if of is int:
         return -2**63 <= value < 2**64  # wider integers do not survive most JSON readers
-    if kind is float:
+    if of is float:
         return math.isfinite(value)
     if depth >= MAX_DEPTH:
         return False
-    if kind is list:
+    if of is list:
         return all(_is_data(item, depth + 1) for item in value)
-    if kind is dict:
+    if of is dict:
         return all(type(key) is str and _is_data(item, depth + 1) for key, item in value.items())
     return False
 
@@ -382,6 +382,14 @@ def _finite(number):
         return False
 
 
+def _kind(decision):
+    """The decision's kind if it is plain data (a model's object never enters the trace), else None."""
+    if not all(type(key) is str for key in decision):  # a foreign key could run code on lookup
+        return None
+    kind = decision.get("kind")
+    return kind if _is_data(kind) else None
+
+
 def _failure(item, error, retryable):
     return {**copy.deepcopy(item), "ok": False, "error": error, "retryable": retryable}
 
@@ -397,8 +405,8 @@ TOOL_ERRORS = (
 
 
 def _tool_error(error):
-    for kind, code, retryable in TOOL_ERRORS:
-        if isinstance(error, kind):
+    for raised, code, retryable in TOOL_ERRORS:
+        if isinstance(error, raised):
             return code or str(error), retryable
 
 
@@ -438,6 +446,8 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             data = await bounded(lambda: tools.invoke(own_copy), min(limits.tool_seconds, left), cancel)
         except Exception as error:
             return _failure(item, *_tool_error(error))
+        if not _is_data(data):  # an object with behaviour, a cycle, NaN: a broken tool
+            return _failure(item, "tool_exception", False)
         # Stored as returned, not copied: who owns this object is the subject of result_ownership.py.
         return {**copy.deepcopy(item), "ok": True, "data": data}
 
@@ -486,7 +496,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             time_left()
             if type(decision) is not dict:
                 raise Stop("invalid_decision")
-            kind = decision.get("kind") if all(type(key) is str for key in decision) else None
+            kind = _kind(decision)
             trace.append({"event": "decision", "round": turn, "kind": kind, **used})
 
             # A final answer counts only if the independent check recomputes it from history.
@@ -494,15 +504,16 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
                 if decision.keys() != {"kind", "answer"}:
                     raise Stop("invalid_decision")
                 answer = decision["answer"]
-                if _passes(accept, answer, history):
+                if _is_data(answer) and _passes(accept, answer, history):
                     return finish("completed", answer)
                 raise Stop("invalid_final")
             if kind != "calls" or decision.keys() != {"kind", "calls"}:
                 raise Stop("invalid_decision")
 
-            # Admit the whole batch, or nothing starts.
+            # Admit the whole batch, or nothing starts. Preflight's exact type checks run none of
+            # the model's code; once admitted, the batch is plain data and safe to copy.
+            ids, signatures = preflight(decision["calls"], used_ids, attempts, registry, limits)
             batch = copy.deepcopy(decision["calls"])
-            ids, signatures = preflight(batch, used_ids, attempts, registry, limits)
             if used["calls"] + len(batch) > limits.calls:
                 raise Stop("call_limit")
             if used["credits"] + sum(registry[item["name"]].cost for item in batch) > limits.credits:
@@ -530,7 +541,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
 
 # PART 5: the demo and the command line
 
-SCENARIOS = (
+DEMO_RUNS = (
     ("normal", lambda: Fixtures()),
     ("retry", lambda: Fixtures(failures={"north": ["temporary"]})),
 )
@@ -542,7 +553,7 @@ def _show(value, **options):
 
 async def demo():
     """Print the normal run, then the run where north fails once: status, finish order, trace and answer."""
-    for title, make_fixtures in SCENARIOS:
+    for title, make_fixtures in DEMO_RUNS:
         fixtures = make_fixtures()
         result = await run_agent(fixtures=fixtures)
         print(title, result["status"], result["used"])

@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -1148,6 +1149,417 @@ class OwnPrototypeTests(RuntimeTestCase):
         self.assertEqual(dataclasses.replace(spec, parallel_safe=False), ToolSpec(2, True, False, None))
         with self.assertRaises(dataclasses.FrozenInstanceError):
             spec.validate = valid_rate_args
+
+
+# Invariants under inputs nobody chose: a seeded property suite. A failing case prints its seed;
+# replay it alone with AGENT_LOOP_SEED=<seed> python3 -m unittest test_agent_loop.InvariantTests
+
+SEED = int(os.environ.get("AGENT_LOOP_SEED", "20261129"))
+ONE_CASE = "AGENT_LOOP_SEED" in os.environ
+
+
+def seeds(count):
+    return [SEED] if ONE_CASE else [SEED + i for i in range(count)]
+
+
+class RaisingEq:
+    """A key that collides with "kind" and explodes when compared."""
+
+    def __hash__(self):
+        return hash("kind")
+
+    def __eq__(self, other):
+        raise RuntimeError("private: compared")
+
+
+class RaisingCopy:
+    def __deepcopy__(self, memo):
+        raise RuntimeError("private: copied")
+
+
+class SelfCopy:
+    def __deepcopy__(self, memo):
+        return self
+
+
+class RaisingBool:
+    def __bool__(self):
+        raise RuntimeError("private: truth")
+
+
+class EqualToAll(str):
+    def __eq__(self, other):
+        return True
+
+    __hash__ = str.__hash__
+
+
+class SneakyDict(dict):
+    def keys(self):
+        raise RuntimeError("private: keys")
+
+    def items(self):
+        raise RuntimeError("private: items")
+
+    def __getitem__(self, key):
+        raise RuntimeError("private: item")
+
+
+class SneakyList(list):
+    def __len__(self):
+        raise RuntimeError("private: len")
+
+    def __iter__(self):
+        raise RuntimeError("private: iter")
+
+
+def deep(levels):
+    value = []
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def cyclic_list():
+    value = []
+    value.append(value)
+    return value
+
+
+def cyclic_decision():
+    decision = {"kind": "calls", "calls": []}
+    decision["calls"].append(decision)
+    return decision
+
+
+DEEP = deep(100_000)
+HOSTILE_FACTORIES = [
+    lambda: None, lambda: 0, lambda: -1, lambda: True, lambda: 1.5, lambda: float("nan"), lambda: float("inf"),
+    lambda: 10**5000, lambda: 2**70, lambda: "", lambda: "x" * 100, lambda: "text from outside", lambda: b"bytes",
+    lambda: (1, 2), lambda: {1, 2}, lambda: frozenset(), lambda: 1j, lambda: [], lambda: {}, lambda: [[[]]],
+    lambda: cyclic_list(), lambda: cyclic_decision(), lambda: DEEP, lambda: deep(40), lambda: RaisingCopy(),
+    lambda: SelfCopy(), lambda: RaisingBool(), lambda: EqualToAll("calls"), lambda: EqualToAll("final"),
+    lambda: SneakyDict(kind="calls", calls=[]), lambda: SneakyList([1]), lambda: {RaisingEq(): "calls"},
+    lambda: threading.Lock(), lambda: (i for i in range(3)), lambda: object(), lambda: print, lambda: Stop("completed"),
+    lambda: {"kind": "final", "answer": RaisingCopy()}, lambda: {"kind": "final", "answer": float("nan")},
+    lambda: {"kind": "final", "answer": DEEP}, lambda: {"kind": "final", "answer": 10**5000},
+    lambda: {"kind": "calls", "calls": RaisingCopy()}, lambda: {"kind": "calls", "calls": [RaisingCopy()]},
+    lambda: {"kind": "calls", "calls": SneakyList([call("a", partition="north")])},
+    lambda: {"kind": RaisingCopy(), "calls": []}, lambda: {"kind": SneakyList(), "answer": 1},
+    lambda: {"kind": "calls", "calls": [SneakyDict(call_id="a", name="read_partition", arguments={})]},
+    lambda: {"kind": "calls", "calls": [{"call_id": EqualToAll("a"), "name": "read_partition", "arguments": {"partition": "north"}}]},
+    lambda: {"kind": "calls", "calls": [{"call_id": "a", "name": EqualToAll("read_partition"), "arguments": {"partition": "north"}}]},
+    lambda: {"kind": "calls", "calls": [{"call_id": "a", "name": "read_partition", "arguments": {"partition": EqualToAll("north")}}]},
+    lambda: {"kind": "calls", "calls": [{"call_id": "a", "name": "read_partition", "arguments": SneakyDict(partition="north")}]},
+    lambda: {"kind": "calls", "calls": [{"call_id": "a", "name": "compute_plan", "arguments": {"rows": DEEP}}]},
+    lambda: {"kind": "calls", "calls": [{"call_id": "a", "name": "compute_plan", "arguments": {"rows": cyclic_list()}}]},
+    lambda: {"kind": "calls", "calls": [{"call_id": "a", "name": "read_partition", "arguments": {"partition": "north", RaisingEq(): 1}}]},
+]
+
+
+def hostile(rng):
+    return rng.choice(HOSTILE_FACTORIES)()
+
+
+def mutate(rng, value, depth=0):
+    """Replace, drop or add one thing somewhere inside a copy of value."""
+    value = copy.deepcopy(value)
+    if type(value) is dict and value and depth < 6 and rng.random() < 0.7:
+        key = rng.choice(list(value))
+        action = rng.random()
+        if action < 0.6:
+            value[key] = mutate(rng, value[key], depth + 1)
+        elif action < 0.8:
+            del value[key]
+        else:
+            value[rng.choice(["extra", "kind", "calls", "answer", 7])] = hostile(rng)
+        return value
+    if type(value) is list and value and depth < 6 and rng.random() < 0.7:
+        index = rng.randrange(len(value))
+        action = rng.random()
+        if action < 0.7:
+            value[index] = mutate(rng, value[index], depth + 1)
+        elif action < 0.85:
+            value.append(copy.deepcopy(value[index]))
+        else:
+            del value[index]
+        return value
+    return hostile(rng)
+
+
+def hostile_model(rng):
+    """A model that, round by round, behaves well, returns anything, raises, cancels itself or hangs."""
+    async def model(history):
+        roll = rng.random()
+        if roll < 0.30:
+            return await fake_model(history)
+        if roll < 0.65:
+            return mutate(rng, await fake_model(history))
+        if roll < 0.85:
+            return hostile(rng)
+        behaviour = rng.choice(["raise", "cancel_itself", "hang", "stop", "timeout", "keyboard_free"])
+        if behaviour == "raise":
+            raise rng.choice([RuntimeError, ValueError, KeyError, TemporaryError, PermissionError])("private detail")
+        if behaviour == "cancel_itself":
+            raise asyncio.CancelledError("private detail")
+        if behaviour == "hang":
+            await asyncio.sleep(30)
+        if behaviour == "stop":
+            raise Stop(rng.choice(["completed", "private detail"]))
+        if behaviour == "timeout":
+            raise TimeoutError("private detail")
+        return {"kind": "final", "answer": PLAN}
+    return model
+
+
+class HostileTools(Fixtures):
+    """Fixtures whose calls may also return anything, raise anything, cancel themselves or hang."""
+
+    def __init__(self, rng, chance=0.5, **options):
+        super().__init__(**options)
+        self.rng, self.chance = rng, chance
+
+    async def invoke(self, call):
+        result = await super().invoke(call)
+        if self.rng.random() >= self.chance:
+            return result
+        behaviour = self.rng.choice(["return", "return", "mutated", "raise", "cancel_itself", "hang", "stop"])
+        if behaviour == "return":
+            return hostile(self.rng)
+        if behaviour == "mutated":
+            return mutate(self.rng, result)
+        if behaviour == "raise":
+            raise self.rng.choice([RuntimeError, ValueError, OSError, LookupError, TimeoutError])("private detail")
+        if behaviour == "cancel_itself":
+            raise asyncio.CancelledError("private detail")
+        if behaviour == "hang":
+            await asyncio.sleep(30)
+        raise Stop(self.rng.choice(["completed", "cancelled", "private detail"]))
+
+
+def random_limits(rng, fast=True):
+    return Limits(
+        rounds=rng.randint(0, 7), calls=rng.randint(0, 7), credits=rng.randint(0, 35), attempts=rng.randint(0, 3),
+        tool_seconds=rng.choice([0.01, 0.03, 0.1]) if fast else 5, model_seconds=rng.choice([0.01, 0.03, 0.1]) if fast else 5,
+        total_seconds=rng.choice([0.05, 0.15, 0.3]) if fast else 30,
+    )
+
+
+def random_registry(rng):
+    return {name: dataclasses.replace(spec, read_only=rng.random() > 0.1, parallel_safe=rng.random() > 0.4)
+            for name, spec in TOOLS.items()}
+
+
+def random_failures(rng):
+    faults = ["temporary", "permission", "bug", "timeout"]
+    return {key: [rng.choice(faults) for _ in range(rng.randint(0, 2))] for key in ("north", "south", "compute_plan")}
+
+
+class InvariantTests(RuntimeTestCase):
+    def assertInvariants(self, result, limits, fixtures, seed, *, default_accept=True):
+        where = f"seed {seed} (replay: AGENT_LOOP_SEED={seed})"
+        self.assertEqual(set(result), {"status", "answer", "used", "history", "trace"}, where)
+        self.assertIn(result["status"], STOP_STATUSES, where)
+        json.dumps(result, allow_nan=False)  # the result is plain JSON data, whatever came in
+        used = result["used"]
+        for budget in ("rounds", "calls", "credits"):
+            self.assertLessEqual(used[budget], getattr(limits, budget), where)
+        stops = [event for event in result["trace"] if event["event"] == "stop"]
+        self.assertEqual(stops, [{"event": "stop", "status": result["status"], **used}], where)
+        self.assertEqual(result["trace"][-1]["event"], "stop", where)
+        self.assertNotIn("private", json.dumps(result), where)
+        if result["status"] == "completed":
+            if default_accept:
+                self.assertTrue(accepted(result["answer"], result["history"]), where)
+                self.assertEqual(result["answer"], PLAN, where)
+        else:
+            self.assertIsNone(result["answer"], where)
+        admitted = [item["call_id"] for record in result["history"] for item in record["calls"]]
+        self.assertEqual(len(admitted), len(set(admitted)), where)
+        for record in result["history"]:
+            self.assertEqual([obs["call_id"] for obs in record["observations"]],
+                             [item["call_id"] for item in record["calls"]], where)
+        self.assertFixturesClean(fixtures, where)
+        self.assertLessEqual(set(fixtures.started), set(admitted), where)  # nothing ran that was not admitted
+        self.assertEqual(used["calls"], len(fixtures.started), where)  # every started call counted once
+
+    def assertFixturesClean(self, fixtures, where):
+        self.assertEqual(fixtures.active, 0, where)
+        self.assertEqual(sorted(fixtures.started), sorted(fixtures.finished), where)
+        self.assertEqual(len(fixtures.started), len(set(fixtures.started)), where)
+        self.assertNoTaskLeft()
+
+    async def test_hostile_decisions_never_break_the_runtime(self):
+        for seed in seeds(1200):
+            rng = random.Random(seed)
+            with self.subTest(seed=seed):
+                limits = Limits(tool_seconds=1, model_seconds=0.02, total_seconds=10)  # a hanging model costs 20 ms
+                fixtures = Fixtures(delays={})
+                # Now and then a final check that accepts anything: what completes must still be plain data.
+                permissive = rng.random() < 0.2
+                accept = (lambda answer, history: True) if permissive else accepted
+                result = await run_agent(hostile_model(rng), limits=limits, fixtures=fixtures, accept=accept)
+                self.assertInvariants(result, limits, fixtures, seed, default_accept=not permissive)
+
+    async def test_hostile_tools_never_break_the_runtime(self):
+        for seed in seeds(300):
+            rng = random.Random(seed)
+            with self.subTest(seed=seed):
+                limits = Limits(tool_seconds=0.02, total_seconds=10)
+                fixtures = HostileTools(rng, delays={})
+                registry = random_registry(rng) if rng.random() < 0.5 else None
+                result = await run_agent(limits=limits, fixtures=fixtures, registry=registry)
+                self.assertInvariants(result, limits, fixtures, seed)
+
+    async def test_random_faults_and_budgets_keep_every_invariant(self):
+        for seed in seeds(150):
+            rng = random.Random(seed)
+            with self.subTest(seed=seed):
+                limits = random_limits(rng)
+                delays = {key: rng.choice([0, 0.001, 0.01]) for key in ("north", "south", "compute_plan")}
+                fixtures = Fixtures(failures=random_failures(rng), delays=delays, inject=rng.random() < 0.3)
+                result = await run_agent(limits=limits, fixtures=fixtures, registry=random_registry(rng))
+                self.assertInvariants(result, limits, fixtures, seed)
+
+    async def test_runs_cancelled_at_random_instants_clean_up_first(self):
+        for seed in seeds(150):
+            rng = random.Random(seed)
+            with self.subTest(seed=seed):
+                await self.cancelled_run(rng, seed)
+
+    async def cancelled_run(self, rng, seed):
+        where = f"seed {seed} (replay: AGENT_LOOP_SEED={seed})"
+        limits = dataclasses.replace(ROOMY, tool_seconds=rng.choice([0.02, 5]))
+        how = rng.choice(["event", "task"])
+        when = rng.choice(["timer", "tool_finish", "tool_start"])
+        cancel, run = asyncio.Event(), None
+        active_at_cancel = []
+
+        def fire():
+            active_at_cancel.append(fixtures.active)
+            if how == "event":
+                cancel.set()
+            else:
+                run.cancel()
+
+        class Trigger(Fixtures):
+            async def invoke(self, call):
+                if when == "tool_start" and rng.random() < 0.4:
+                    fire()
+                try:
+                    return await super().invoke(call)
+                finally:
+                    if when == "tool_finish" and rng.random() < 0.4:
+                        fire()
+
+        delays = {key: rng.choice([0, 0.002, 0.01, 0.03]) for key in ("north", "south", "compute_plan")}
+        fixtures = Trigger(delays=delays, failures=random_failures(rng) if rng.random() < 0.3 else {})
+        registry = random_registry(rng) if rng.random() < 0.5 else None
+        run = asyncio.create_task(run_agent(limits=limits, fixtures=fixtures, cancel=cancel, registry=registry))
+        if when == "timer":
+            asyncio.get_running_loop().call_later(rng.choice([0, 0.001, 0.005, 0.02, 0.04]), fire)
+        try:
+            result = await run
+        except asyncio.CancelledError:
+            self.assertEqual(how, "task", where)
+            self.assertFixturesClean(fixtures, where)  # every started tool was cancelled and awaited first
+            self.assertEqual(set(fixtures.cancelled) | set(fixtures.finished), set(fixtures.finished), where)
+            return
+        self.assertInvariants(result, limits, fixtures, seed)
+        if active_at_cancel and how == "event" and result["status"] not in ("completed",):
+            self.assertIn(result["status"], STOP_STATUSES, where)
+
+    async def test_a_model_that_raises_cancelled_error_by_itself_is_a_model_exception(self):
+        async def model(history):
+            raise asyncio.CancelledError()
+
+        result = await run_agent(model, limits=ROOMY)
+        self.assertEqual((result["status"], result["used"]["rounds"]), ("model_exception", 1))
+        self.assertNoTaskLeft()
+
+    async def test_a_tool_that_raises_cancelled_error_by_itself_is_a_tool_exception(self):
+        class SelfCancelling(Fixtures):
+            async def invoke(self, call):
+                await super().invoke(call)
+                raise asyncio.CancelledError()
+
+        fixtures = SelfCancelling()
+        result = await run_agent(fixtures=fixtures, limits=ROOMY)
+        self.assertEqual(result["status"], "tool_exception")
+        self.assertEqual(errors(result), ["tool_exception", "tool_exception"])
+        self.assertEqual((result["used"]["calls"], fixtures.active), (2, 0))
+
+    async def test_cancelling_the_runs_task_cancels_every_running_tool_first(self):
+        fixtures = Fixtures(delays={"north": 30, "south": 30})
+        run = asyncio.create_task(run_agent(fixtures=fixtures, limits=ROOMY))
+        await wait_until(lambda: fixtures.active == 2)
+        run.cancel()
+        with self.assertRaises(asyncio.CancelledError):
+            await run
+        self.assertEqual((fixtures.active, sorted(fixtures.cancelled)), (0, ["r1-north", "r1-south"]))
+        self.assertNoTaskLeft()
+
+    async def test_a_second_cancel_during_clean_up_still_waits_for_the_tools(self):
+        class SlowToDie(Fixtures):
+            async def invoke(self, call):
+                try:
+                    return await super().invoke(call)
+                except asyncio.CancelledError:
+                    await asyncio.shield(asyncio.sleep(0.05))  # clean-up that takes a while
+                    raise
+
+        serial = {**TOOLS, "read_partition": dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)}
+        for registry, running in ((TOOLS, ["r1-north", "r1-south"]), (serial, ["r1-north"])):
+            with self.subTest(parallel=registry is TOOLS):
+                fixtures = SlowToDie(delays={"north": 30, "south": 30})
+                run = asyncio.create_task(run_agent(fixtures=fixtures, registry=registry, limits=ROOMY))
+                await wait_until(lambda: fixtures.active == len(running))
+                run.cancel()
+                await asyncio.sleep(0.01)
+                run.cancel()  # arrives while the tools are still cleaning up
+                with self.assertRaises(asyncio.CancelledError):
+                    await run
+                self.assertEqual((fixtures.active, sorted(fixtures.finished)), (0, running))
+                self.assertNoTaskLeft()
+
+    async def test_a_tool_result_that_is_not_json_data_is_a_tool_exception(self):
+        class Returns(Fixtures):
+            def __init__(self, value):
+                super().__init__(delays={})
+                self.value = value
+
+            async def invoke(self, call):
+                await super().invoke(call)
+                return self.value
+
+        for value in (RaisingCopy(), {1, 2}, float("nan"), cyclic_list(), 2**70, deep(40), {1: "x"}, (1,), b"x"):
+            with self.subTest(value=type(value).__name__):
+                fixtures = Returns(value)
+                result = await run_agent(fixtures=fixtures, limits=ROOMY)
+                self.assertEqual((result["status"], errors(result)), ("tool_exception", ["tool_exception"] * 2))
+                self.assertEqual(result["used"], {"rounds": 1, "calls": 2, "credits": 7})
+                self.assertInvariants(result, ROOMY, fixtures, "specific")
+
+    async def test_an_answer_that_is_not_json_data_never_completes(self):
+        for answer in ({1, 2}, RaisingCopy(), float("inf"), cyclic_list()):
+            async def model(history, answer=answer):
+                return {"kind": "final", "answer": answer}  # handed over as is, not copied
+
+            with self.subTest(answer=type(answer).__name__):
+                result = await run_agent(model, accept=lambda answer, history: True, limits=ROOMY)
+                self.assertEqual((result["status"], result["answer"]), ("invalid_final", None))
+
+    async def test_specific_hostile_decisions(self):
+        cases = [cyclic_decision(), DEEP, {"kind": "final", "answer": DEEP}, {"kind": "final", "answer": 10**5000},
+                 {"kind": "final", "answer": float("nan")}, {"kind": RaisingCopy(), "calls": []},
+                 {"kind": "calls", "calls": [RaisingCopy()]}, {RaisingEq(): "calls", "calls": []},
+                 {"kind": EqualToAll("calls"), "calls": [call("a", partition="north")]}, SneakyDict(kind="calls")]
+        for decision in cases:
+            with self.subTest(decision=type(decision).__name__):
+                fixtures = Fixtures(delays={})
+                result = await run_agent(scripted(decision), fixtures=fixtures, limits=ROOMY)
+                self.assertNotEqual(result["status"], "completed")
+                self.assertInvariants(result, ROOMY, fixtures, "specific")
 
 
 # The result-ownership experiment (result_ownership.py, verify_ownership.py, expected.json)
