@@ -13,7 +13,7 @@ import json
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 # PART 1: the read-only snapshot, strict schemas, the plan, the tool registry, limits and errors
@@ -551,28 +551,39 @@ def _show(value, **options):
     print(json.dumps(value, ensure_ascii=False, indent=2, **options))
 
 
+def show_run(title, result, fixtures):
+    """Print one run as the article does: status and budget used, finish order, every trace event, the answer."""
+    print(title, result["status"], result["used"])
+    print("finish order:", fixtures.finished)
+    for event in result["trace"]:
+        _show(event, sort_keys=True)
+    _show(result["answer"])
+
+
 async def demo():
-    """Print the normal run, then the run where north fails once: status, finish order, trace and answer."""
+    """Print the normal run, then the run where north fails once."""
     for title, make_fixtures in DEMO_RUNS:
         fixtures = make_fixtures()
-        result = await run_agent(fixtures=fixtures)
-        print(title, result["status"], result["used"])
-        print("finish order:", fixtures.finished)
-        for event in result["trace"]:
-            _show(event, sort_keys=True)
-        _show(result["answer"])
+        show_run(title, await run_agent(fixtures=fixtures), fixtures)
 
 
 def main(argv=None):
-    """Run the command line: `demo` (the default) prints the two demo runs."""
+    """Run the command line: `demo` (the default), `scenarios`."""
     parser = argparse.ArgumentParser(
         prog="agent_loop.py",
         description="Run a model's tool calls under budgets, time limits and an independent final check.",
     )
     commands = parser.add_subparsers(dest="command", title="commands")
     commands.add_parser("demo", help="the normal run, then north failing once (the default)")
-    parser.parse_args(argv)
-    asyncio.run(demo())
+    atlas = commands.add_parser("scenarios", help="one small run per stop status, and why it stopped")
+    atlas.add_argument("name", nargs="?", choices=[scenario[0] for scenario in ATLAS], metavar="NAME",
+                       help="print this scenario's full trace and answer")
+    atlas.add_argument("--json", action="store_true", help="print the table as a JSON list")
+    args = parser.parse_args(argv)
+    if args.command == "scenarios":
+        asyncio.run(scenarios(args.name, args.json))
+    else:
+        asyncio.run(demo())
     return 0
 
 
@@ -632,6 +643,119 @@ class FunctionTools:
                 else:
                     waiter.cancel()  # stop waiting; the thread itself runs on
         return all(thread.done() for thread in self._threads)
+
+
+
+# PART 7: the scenario atlas: one small, deterministic run per stop status
+
+def scripted(*decisions):
+    """A model that answers round n with a copy of decisions[n - 1] (the last one repeats), whatever history says."""
+    asked = []
+
+    async def model(history):
+        asked.append(len(history))
+        return copy.deepcopy(decisions[min(len(asked), len(decisions)) - 1])
+
+    return model
+
+
+async def _hanging_model(history):
+    await asyncio.sleep(10)
+
+
+async def _failing_model(history):
+    raise RuntimeError("private detail of a model failure")
+
+
+async def _obeying_note(history):
+    """fake_model, except that it follows the injected note once it has read it."""
+    if any(obs["data"].get("note") == NOTE for obs in _successes(history)):
+        return {"kind": "calls", "calls": [call("order", "place_order", sku="CUP", qty=100)]}
+    return await fake_model(history)
+
+
+_SERIAL = {"read_partition": {"parallel_safe": False}}
+_HANG = {"north": ["timeout"], "south": ["timeout"]}
+_NORTH = call("a", partition="north")
+
+# (name, what happened, how to run it). Each run uses the module's own Fixtures, fake_model and
+# Limits; the keys: model, limits (fields of Limits), failures, inject, registry (fields of
+# ToolSpec per tool), cancel_after (set the cancel event once that many tools have started).
+ATLAS = (
+    ("completed", "both reads in one parallel batch, then the plan; the answer passed the final check", {}),
+    ("round_limit", "two rounds read and planned; no round was left for the answer", {"limits": {"rounds": 2}}),
+    ("call_limit", "the first batch holds two reads but one call was allowed: nothing ran", {"limits": {"calls": 1}}),
+    ("credit_limit", "the plan was computed, then 14 + 3 credits for the answer passed 16", {"limits": {"credits": 16}}),
+    ("deadline", "both reads hung; the 0.3 s run deadline cut them off (tool_timeout) and ended the run",
+     {"failures": _HANG, "limits": {"total_seconds": 0.3, "tool_seconds": 1}}),
+    ("cancelled", "the cancel event was set while both reads ran; both were cancelled and kept as observations",
+     {"failures": _HANG, "limits": {"tool_seconds": 5}, "cancel_after": 2}),
+    ("model_timeout", "the model did not decide within 0.05 s", {"model": _hanging_model, "limits": {"model_seconds": 0.05}}),
+    ("model_exception", "the model raised; its message is not kept", {"model": _failing_model}),
+    ("invalid_decision", "the model returned text instead of a decision", {"model": scripted("the total is 21900")}),
+    ("invalid_final", "a correct answer guessed before any evidence was read",
+     {"model": scripted({"kind": "final", "answer": make_plan(DATA["north"] + DATA["south"])})}),
+    ("invalid_batch", "an empty batch of calls", {"model": scripted({"kind": "calls", "calls": []})}),
+    ("invalid_call", "a call that is a string, not a dict", {"model": scripted({"kind": "calls", "calls": ["read north"]})}),
+    ("invalid_call_id", "an empty call id", {"model": scripted({"kind": "calls", "calls": [call("", partition="north")]})}),
+    ("duplicate_call_id", "two calls with the id 'a' in one batch: nothing ran",
+     {"model": scripted({"kind": "calls", "calls": [_NORTH, call("a", partition="south")]})}),
+    ("unknown_tool", "the injected note asked for place_order; text in data grants no tool",
+     {"model": _obeying_note, "inject": True}),
+    ("permission_denied", "north refused permission; in a serial batch south was then batch_aborted",
+     {"failures": {"north": ["permission"]}, "registry": _SERIAL}),
+    ("invalid_arguments", "a path-like partition, '../north'",
+     {"model": scripted({"kind": "calls", "calls": [call("a", partition="../north")]})}),
+    ("repeat_limit", "north failed temporarily twice; a third identical read was refused",
+     {"failures": {"north": ["temporary", "temporary"]}}),
+    ("tool_exception", "north had an internal fault; its message is not kept", {"failures": {"north": ["bug"]}}),
+)
+
+
+@dataclass
+class _CancelAfter(Fixtures):
+    cancel: asyncio.Event = None
+    after: int = 0
+
+    async def invoke(self, call):
+        if len(self.started) + 1 == self.after:
+            asyncio.get_running_loop().call_soon(self.cancel.set)  # once this call has started too
+        return await super().invoke(call)
+
+
+async def run_scenario(name):
+    """Run one scenario of the atlas; return (result, fixtures)."""
+    how = next(how for title, _, how in ATLAS if title == name)
+    cancel = asyncio.Event()
+    fixtures = _CancelAfter(failures=copy.deepcopy(how.get("failures", {})), inject=how.get("inject", False),
+                            cancel=cancel, after=how.get("cancel_after", 0))
+    registry = {tool: replace(spec, **how.get("registry", {}).get(tool, {})) for tool, spec in TOOLS.items()}
+    limits = replace(Limits(), **how.get("limits", {}))
+    result = await run_agent(how.get("model", fake_model), limits=limits, fixtures=fixtures, cancel=cancel, registry=registry)
+    return result, fixtures
+
+
+def _errors(result):
+    return [obs["error"] for record in result["history"] for obs in record["observations"] if not obs["ok"]]
+
+
+async def scenarios(name=None, as_json=False):
+    """Print the atlas as a table (or JSON), or one scenario's full run the way the demo prints it."""
+    if name is not None:
+        result, fixtures = await run_scenario(name)
+        show_run(name, result, fixtures)
+        return
+    rows = []
+    for title, why, _ in ATLAS:
+        result, _ = await run_scenario(title)
+        rows.append({"name": title, "status": result["status"], "used": result["used"], "errors": _errors(result), "why": why})
+    if as_json:
+        _show(rows)
+        return
+    print(f"{'scenario':<18} {'status':<18} {'rounds':>6} {'calls':>5} {'credits':>7}  what happened")
+    for row in rows:
+        used = row["used"]
+        print(f"{row['name']:<18} {row['status']:<18} {used['rounds']:>6} {used['calls']:>5} {used['credits']:>7}  {row['why']}")
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ import unittest
 from agent_loop import (
     DATA, MODEL_COST, NOTE, SNAPSHOT, STOP_STATUSES, TOOLS, Fixtures, FunctionTools, Limits, Stop, TemporaryError,
     ToolSpec, accepted, bounded, call, canonical, fake_model, make_plan, preflight, run_agent,
-    valid_args, valid_rows,
+    scripted, valid_args, valid_rows,
 )
+import agent_loop
 import result_ownership
 import verify_ownership
 
@@ -45,18 +46,6 @@ ALL_ROWS = [
     {"sku": "BAG", "stock": 2, "target": 5, "unit_cents": 2500},
     {"sku": "BOOK", "stock": 0, "target": 4, "unit_cents": 1800},
 ]
-
-
-def scripted(*decisions):
-    """A model that answers round n with decisions[n - 1] (the last one repeats), whatever history says."""
-    asked = []
-
-    async def model(history):
-        asked.append(len(history))
-        return copy.deepcopy(decisions[min(len(asked), len(decisions)) - 1])
-
-    model.asked = asked
-    return model
 
 
 def calls(*items):
@@ -903,24 +892,99 @@ finish order: ['r1-south', 'r1-north', 'r2-north', 'r3-plan']
 """
 
 
-class CommandLineTests(unittest.TestCase):
-    def run_script(self, *args):
-        flags = ["-O"] if sys.flags.optimize else []
-        command = [sys.executable, *flags, os.path.join(HERE, "agent_loop.py"), *args]
-        return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+def run_command(*args):
+    flags = ["-O"] if sys.flags.optimize else []
+    command = [sys.executable, *flags, os.path.join(HERE, "agent_loop.py"), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
 
+
+class CommandLineTests(unittest.TestCase):
     def test_the_demo_prints_the_transcript_exactly(self):
         for args in (["demo"], []):
             with self.subTest(args=args):
-                done = self.run_script(*args)
+                done = run_command(*args)
                 self.assertEqual((done.returncode, done.stderr), (0, ""))
                 self.assertEqual(done.stdout, DEMO_TRANSCRIPT)
 
     def test_help_lists_the_commands(self):
-        done = self.run_script("--help")
+        done = run_command("--help")
         self.assertEqual(done.returncode, 0)
         self.assertIn("demo", done.stdout)
 
+
+
+# PART 7: the scenario atlas
+
+ATLAS_EXPECTED = {  # name: (rounds, calls, credits, observation errors in order)
+    "completed": (3, 3, 17, []),
+    "round_limit": (2, 3, 14, []),
+    "call_limit": (1, 0, 3, []),
+    "credit_limit": (2, 3, 14, []),
+    "deadline": (1, 2, 7, ["tool_timeout", "tool_timeout"]),
+    "cancelled": (1, 2, 7, ["cancelled", "cancelled"]),
+    "model_timeout": (1, 0, 3, []),
+    "model_exception": (1, 0, 3, []),
+    "invalid_decision": (1, 0, 3, []),
+    "invalid_final": (1, 0, 3, []),
+    "invalid_batch": (1, 0, 3, []),
+    "invalid_call": (1, 0, 3, []),
+    "invalid_call_id": (1, 0, 3, []),
+    "duplicate_call_id": (1, 0, 3, []),
+    "unknown_tool": (2, 2, 10, []),
+    "permission_denied": (1, 1, 5, ["permission_denied", "batch_aborted"]),
+    "invalid_arguments": (1, 0, 3, []),
+    "repeat_limit": (3, 3, 15, ["temporary", "temporary"]),
+    "tool_exception": (1, 2, 7, ["tool_exception"]),
+}
+
+
+class AtlasTests(RuntimeTestCase):
+    def test_every_stop_status_has_a_scenario_of_that_name(self):
+        self.assertEqual([name for name, _, _ in agent_loop.ATLAS], list(STOP_STATUSES))
+
+    async def test_each_scenario_stops_with_its_status_budget_and_errors(self):
+        for name, (rounds, calls_used, credits, errors_seen) in ATLAS_EXPECTED.items():
+            with self.subTest(name=name):
+                result, fixtures = await agent_loop.run_scenario(name)
+                self.assertEqual(result["status"], name)
+                self.assertEqual(result["used"], {"rounds": rounds, "calls": calls_used, "credits": credits})
+                self.assertEqual(errors(result), errors_seen)
+                self.assertEqual(fixtures.active, 0)
+                self.assertNoPrivateText(result)
+        self.assertNoTaskLeft()
+
+    def test_the_atlas_covers_the_observation_only_errors(self):
+        seen = {error for *_, errors_seen in ATLAS_EXPECTED.values() for error in errors_seen}
+        self.assertLessEqual(set(agent_loop.OBSERVATION_ERRORS), seen)
+
+    def test_the_table_is_the_same_on_every_run_and_the_json_matches_it(self):
+        first, second, as_json = run_command("scenarios"), run_command("scenarios"), run_command("scenarios", "--json")
+        self.assertEqual((first.returncode, first.stderr, as_json.returncode), (0, "", 0))
+        self.assertEqual(first.stdout, second.stdout)
+        rows = json.loads(as_json.stdout)
+        self.assertEqual([list(row) for row in rows], [["name", "status", "used", "errors", "why"]] * len(rows))
+        lines = first.stdout.splitlines()
+        self.assertEqual(lines[0].split()[:5], ["scenario", "status", "rounds", "calls", "credits"])
+        self.assertEqual(len(lines), len(rows) + 1)
+        for line, row in zip(lines[1:], rows):
+            used = row["used"]
+            self.assertEqual(line.split(maxsplit=5), [row["name"], row["status"], str(used["rounds"]),
+                                                      str(used["calls"]), str(used["credits"]), row["why"]])
+            self.assertEqual(ATLAS_EXPECTED[row["name"]], (used["rounds"], used["calls"], used["credits"], row["errors"]))
+
+    def test_one_scenario_prints_its_full_run_like_the_demo(self):
+        done = run_command("scenarios", "cancelled")
+        self.assertEqual(done.returncode, 0)
+        lines = done.stdout.splitlines()
+        self.assertEqual(lines[0], "cancelled cancelled {'rounds': 1, 'calls': 2, 'credits': 7}")
+        self.assertIn(lines[1], ("finish order: ['r1-north', 'r1-south']", "finish order: ['r1-south', 'r1-north']"))
+        self.assertEqual(lines[-1], "null")
+        self.assertIn('"status": "cancelled"', done.stdout)
+
+    def test_an_unknown_scenario_name_is_refused(self):
+        done = run_command("scenarios", "no_such_status")
+        self.assertEqual(done.returncode, 2)
+        self.assertIn("invalid choice", done.stderr)
 
 
 # PART 6: your own task through the unchanged runtime. Converting an amount between currencies:
