@@ -11,6 +11,10 @@ import copy
 import inspect
 import json
 import math
+import os
+import platform
+import statistics
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -61,6 +65,23 @@ def _is_data(value, depth=0):
     if of is dict:
         return all(type(key) is str and _is_data(item, depth + 1) for key, item in value.items())
     return False
+
+
+_ATOMS = frozenset({str, int, float, bool, type(None)})  # immutable: a copy may share them
+
+
+def _fresh(value):
+    """An independent copy of plain data: dicts and lists rebuilt, immutable atoms shared, anything else deep-copied."""
+    # For the JSON data history holds this equals copy.deepcopy at about a third of its cost: it
+    # skips deepcopy's memo, its per-type dispatch, and a call for every atom.
+    of = type(value)
+    if of is dict:
+        return {key: item if type(item) in _ATOMS else _fresh(item) for key, item in value.items()}
+    if of is list:
+        return [item if type(item) in _ATOMS else _fresh(item) for item in value]
+    if of in _ATOMS:
+        return value
+    return copy.deepcopy(value)
 
 
 def _has_keys(value, keys):
@@ -483,7 +504,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
                 raise Stop("credit_limit")
             used["rounds"] += 1
             used["credits"] += MODEL_COST
-            view = copy.deepcopy(history)  # the model's copy: it cannot edit our history
+            view = _fresh(history)  # the model's own copy, made fresh every round: it cannot edit our history
             try:
                 decision = await bounded(lambda: model(view), min(limits.model_seconds, left), cancel)
             except Stop:
@@ -568,7 +589,7 @@ async def demo():
 
 
 def main(argv=None):
-    """Run the command line: `demo` (the default), `scenarios`."""
+    """Run the command line: `demo` (the default), `scenarios`, `bench`."""
     parser = argparse.ArgumentParser(
         prog="agent_loop.py",
         description="Run a model's tool calls under budgets, time limits and an independent final check.",
@@ -579,9 +600,14 @@ def main(argv=None):
     atlas.add_argument("name", nargs="?", choices=[scenario[0] for scenario in ATLAS], metavar="NAME",
                        help="print this scenario's full trace and answer")
     atlas.add_argument("--json", action="store_true", help="print the table as a JSON list")
+    timing = commands.add_parser("bench", help="measure parallel batches, overhead, time limits and growth")
+    timing.add_argument("--quick", action="store_true", help="fewer repeats: a smoke run of a few seconds")
+    timing.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = parser.parse_args(argv)
     if args.command == "scenarios":
         asyncio.run(scenarios(args.name, args.json))
+    elif args.command == "bench":
+        asyncio.run(bench(args.quick, args.json))
     else:
         asyncio.run(demo())
     return 0
@@ -756,6 +782,153 @@ async def scenarios(name=None, as_json=False):
     for row in rows:
         used = row["used"]
         print(f"{row['name']:<18} {row['status']:<18} {used['rounds']:>6} {used['calls']:>5} {used['credits']:>7}  {row['why']}")
+
+
+
+# PART 8: the benchmark: what parallel batches and bounded waits buy, and what the runtime costs
+
+BENCH_WAIT = 0.05  # seconds each tool waits in the parallel-efficiency batches
+
+
+async def _tick(n):
+    return {"n": n}
+
+
+async def _wait(n):
+    await asyncio.sleep(BENCH_WAIT)
+    return {"n": n}
+
+
+async def _hang(n):
+    await asyncio.sleep(60)
+
+
+def _bench_registry(parallel=True):
+    return {name: ToolSpec(0, True, parallel, validate=lambda args: True) for name in ("tick", "wait", "hang")}
+
+
+def _batches(name, per_round):
+    """A model that asks for `per_round` calls of one tool every round, with fresh ids and arguments."""
+    async def model(history):
+        number = len(history) + 1
+        return {"kind": "calls", "calls": [call(f"{name}{number}-{i}", name, n=number * 10 + i) for i in range(per_round)]}
+    return model
+
+
+def _roomy(rounds, calls, **seconds):
+    times = {"tool_seconds": 30, "model_seconds": 30, "total_seconds": 600, **seconds}
+    return Limits(rounds=rounds, calls=calls, credits=MODEL_COST * rounds, attempts=1, **times)
+
+
+async def _timed(model, limits, parallel=True):
+    tools = FunctionTools({"tick": _tick, "wait": _wait, "hang": _hang})
+    start = time.perf_counter()
+    result = await run_agent(model, limits=limits, fixtures=tools, registry=_bench_registry(parallel), accept=lambda a, h: False)
+    return time.perf_counter() - start, result
+
+
+def _spread(samples, scale=1.0):
+    """Median, min and max of samples, scaled."""
+    return {"median": statistics.median(samples) * scale, "min": min(samples) * scale, "max": max(samples) * scale}
+
+
+async def _parallel_efficiency(repeats):
+    figures = {}
+    for k in (1, 2, 4):
+        figures[str(k)] = {}
+        for mode, parallel in (("parallel", True), ("serial", False)):
+            walls = [(await _timed(_batches("wait", k), _roomy(1, k), parallel))[0] for _ in range(repeats)]
+            figures[str(k)][mode] = _spread(walls, 1 / BENCH_WAIT)
+    return figures
+
+
+async def _overhead(repeats, runs=40, rounds=5):
+    """Microseconds of the runtime's own work per round (one instant call) and per further call in a batch."""
+    per_round, per_call = [], []
+    for _ in range(repeats):
+        one = sum([(await _timed(_batches("tick", 1), _roomy(rounds, rounds)))[0] for _ in range(runs)])
+        four = sum([(await _timed(_batches("tick", 4), _roomy(rounds, 4 * rounds)))[0] for _ in range(runs)])
+        per_round.append(one / (runs * rounds))
+        per_call.append((four - one) / (3 * runs * rounds))
+    return {"round_us": _spread(per_round, 1e6), "call_us": _spread(per_call, 1e6)}
+
+
+async def _limit_overshoot(runs):
+    """Milliseconds past tool_seconds until a hanging tool has stopped, and past total_seconds until run_agent returns."""
+    tool, total = [], []
+    for _ in range(runs):
+        stopped = []
+
+        class Recorded(FunctionTools):
+            async def invoke(self, call):
+                start = time.perf_counter()
+                try:
+                    return await super().invoke(call)
+                finally:
+                    stopped.append(time.perf_counter() - start)
+
+        await run_agent(_batches("hang", 1), limits=_roomy(1, 1, tool_seconds=0.05), fixtures=Recorded({"hang": _hang}),
+                        registry=_bench_registry())
+        tool.append(stopped[0] - 0.05)
+        wall, _ = await _timed(_batches("hang", 1), _roomy(1, 1, total_seconds=0.1))
+        total.append(wall - 0.1)
+    return {"tool_ms": _spread(tool, 1e3), "total_ms": _spread(total, 1e3)}
+
+
+async def _growth(sizes, samples=20):
+    """Milliseconds per round once history holds n rounds, beside a plain deepcopy of that history."""
+    figures = {}
+    for n in sizes:
+        marks = []
+
+        async def model(history, ticks=_batches("tick", 1)):
+            marks.append(time.perf_counter())
+            return await ticks(history)
+
+        _, result = await _timed(model, _roomy(n + 1, n + 1))
+        rounds = [after - before for before, after in zip(marks, marks[1:])][-samples:]
+        history = result["history"][:n]
+        copies = []
+        for _ in range(min(samples, len(rounds))):
+            start = time.perf_counter()
+            copy.deepcopy(history)
+            copies.append(time.perf_counter() - start)
+        figures[str(n)] = {"round_ms": _spread(rounds, 1e3), "deepcopy_ms": _spread(copies, 1e3)}
+    return figures
+
+
+async def bench(quick=False, as_json=False):
+    """Measure parallel efficiency, the runtime's overhead, time-limit overshoot and growth; print the figures."""
+    repeats = 3 if quick else 7
+    figures = {
+        "python": platform.python_version(),
+        "cores": os.cpu_count(),
+        "repeats": repeats,
+        "parallel_efficiency": await _parallel_efficiency(repeats),
+        "overhead": await _overhead(repeats),
+        "limit_overshoot": await _limit_overshoot(5 if quick else 20),
+        "growth": await _growth((10, 100) if quick else (10, 100, 1000)),
+    }
+    if as_json:
+        _show(figures)
+        return
+    cell = "{median:8.3f} [{min:.3f} .. {max:.3f}]".format
+    print(f"agent_loop bench: Python {figures['python']}, {figures['cores']} cores; median [min .. max] over repeats")
+    print(f"\n1. Parallel efficiency: k tools each waiting {BENCH_WAIT * 1000:.0f} ms, batch wall time / {BENCH_WAIT * 1000:.0f} ms"
+          f" ({repeats} repeats; the limits are 1 and k)")
+    for k, modes in figures["parallel_efficiency"].items():
+        print(f"   k={k}  parallel {cell(**modes['parallel'])}   serial {cell(**modes['serial'])}")
+    print(f"\n2. Runtime overhead, instant model and tools, microseconds ({repeats} repeats)")
+    print(f"   per round      {cell(**figures['overhead']['round_us'])}")
+    print(f"   per tool call  {cell(**figures['overhead']['call_us'])}")
+    runs = 5 if quick else 20
+    print(f"\n3. Time limits: milliseconds past the limit ({runs} runs)")
+    print(f"   a hanging tool stopped after tool_seconds   {cell(**figures['limit_overshoot']['tool_ms'])}")
+    print(f"   run_agent returned after total_seconds      {cell(**figures['limit_overshoot']['total_ms'])}")
+    print("\n4. Growth: milliseconds per round once history holds n rounds, beside a plain deepcopy of that history")
+    for n, row in figures["growth"].items():
+        ratio = row["round_ms"]["median"] / row["deepcopy_ms"]["median"]
+        print(f"   n={n:<5} per round {cell(**row['round_ms'])}   deepcopy {cell(**row['deepcopy_ms'])}   ratio {ratio:.2f}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ import asyncio
 import copy
 import dataclasses
 import json
+import math
 import os
+import platform
 import random
 import shutil
 import subprocess
@@ -573,6 +575,21 @@ class RunAgentTests(RuntimeTestCase):
         self.assertEqual(result["status"], "model_exception")
         self.assertEqual(result["used"], {"rounds": 1, "calls": 0, "credits": 3})
         self.assertNoPrivateText(result)
+
+    def test_the_models_copy_of_history_equals_a_deepcopy_and_shares_no_container(self):
+        def containers(value):
+            if type(value) in (dict, list):
+                yield value
+                for item in (value.values() if type(value) is dict else value):
+                    yield from containers(item)
+
+        rows = copy.deepcopy(ALL_ROWS)
+        data = [{"round": 1, "calls": [call("a", "compute_plan", rows=rows)], "nested": [[1.5, None, True, "x"], {}]},
+                {"shared": rows, "odd": (1, [2])}]
+        fresh = agent_loop._fresh(data)
+        self.assertEqual(fresh, copy.deepcopy(data))
+        self.assertFalse({id(c) for c in containers(data)} & {id(c) for c in containers(fresh)})
+        self.assertIsNot(fresh[1]["odd"][1], data[1]["odd"][1])  # not plain data: deep-copied
 
     async def test_the_models_history_is_a_copy(self):
         async def vandal(history):
@@ -1213,6 +1230,30 @@ class OwnPrototypeTests(RuntimeTestCase):
         self.assertEqual(dataclasses.replace(spec, parallel_safe=False), ToolSpec(2, True, False, None))
         with self.assertRaises(dataclasses.FrozenInstanceError):
             spec.validate = valid_rate_args
+
+
+# PART 8: the benchmark (its figures are checked for sanity, never for speed)
+
+class BenchTests(unittest.TestCase):
+    def test_the_quick_bench_prints_every_figure_positive_and_finite(self):
+        done = run_command("bench", "--quick", "--json")
+        self.assertEqual((done.returncode, done.stderr), (0, ""))
+        figures = json.loads(done.stdout)
+        self.assertEqual(list(figures), ["python", "cores", "repeats", "parallel_efficiency", "overhead",
+                                         "limit_overshoot", "growth"])
+        self.assertEqual(figures["python"], platform.python_version())
+        self.assertEqual(sorted(figures["parallel_efficiency"]), ["1", "2", "4"])
+        self.assertEqual(sorted(figures["overhead"]), ["call_us", "round_us"])
+        self.assertEqual(sorted(figures["limit_overshoot"]), ["tool_ms", "total_ms"])
+        spreads = [spread for modes in figures["parallel_efficiency"].values() for spread in modes.values()]
+        spreads += list(figures["overhead"].values()) + list(figures["limit_overshoot"].values())
+        spreads += [spread for row in figures["growth"].values() for spread in row.values()]
+        self.assertEqual(len(spreads), 6 + 2 + 2 + 2 * len(figures["growth"]))
+        for spread in spreads:
+            self.assertEqual(sorted(spread), ["max", "median", "min"])
+            self.assertTrue(all(math.isfinite(value) and value > 0 for value in spread.values()), spread)
+            self.assertLessEqual(spread["min"], spread["median"])
+            self.assertLessEqual(spread["median"], spread["max"])
 
 
 # Invariants under inputs nobody chose: a seeded property suite. A failing case prints its seed;
