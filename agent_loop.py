@@ -931,5 +931,208 @@ async def bench(quick=False, as_json=False):
         print(f"   n={n:<5} per round {cell(**row['round_ms'])}   deepcopy {cell(**row['deepcopy_ms'])}   ratio {ratio:.2f}")
 
 
+
+# PART 9: connect a real model: the OpenAI Responses and Chat Completions wire formats
+
+_AMOUNT = {"type": "integer", "minimum": 0, "maximum": MAX_AMOUNT}
+# The inventory tools' arguments as strict-mode JSON Schema: every object closed, every property
+# required. valid_args stays the authority, for what no schema here can say: that no sku appears
+# twice across rows (uniqueItems compares whole rows, and strict mode does not accept it), and
+# that a bool is not an integer (checked on Python values, isinstance(True, int) is true).
+TOOL_SCHEMAS = {
+    "read_partition": {
+        "description": "Read one partition of the inventory snapshot: each row's sku, stock, target and unit price in cents.",
+        "parameters": {
+            "type": "object",
+            "properties": {"partition": {"type": "string", "enum": list(DATA)}},
+            "required": ["partition"],
+            "additionalProperties": False,
+        },
+    },
+    "compute_plan": {
+        "description": "Compute the restock plan (target minus stock, in integer cents) for 1 to 4 rows read from the snapshot.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "rows": {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": 4,
+                    "items": {
+                        "type": "object",
+                        "properties": {"sku": {"type": "string", "enum": list(SKUS)},
+                                       "stock": _AMOUNT, "target": _AMOUNT, "unit_cents": _AMOUNT},
+                        "required": ["sku", "stock", "target", "unit_cents"],
+                        "additionalProperties": False,
+                    },
+                },
+            },
+            "required": ["rows"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def _field(value, *path):
+    """value[path[0]][path[1]]..., or None where a step is missing or of the wrong type: replies are untrusted."""
+    for step in path:
+        if type(step) is str and type(value) is dict:
+            value = value.get(step)
+        elif type(step) is int and type(value) is list and -len(value) <= step < len(value):
+            value = value[step]
+        else:
+            return None
+    return value
+
+
+def _no_duplicate_keys(pairs):
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError("a key appears twice")
+    return dict(pairs)
+
+
+def _arguments(text):
+    """The JSON object that arguments text encodes; anything else stays the raw text, which preflight refuses."""
+    try:
+        value = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except (TypeError, ValueError, RecursionError):
+        return text
+    return value if type(value) is dict else text
+
+
+def _final(text):
+    """A final answer from reply text: parsed as JSON when it is JSON, else kept as text for the final check to judge."""
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError, RecursionError):
+        return text
+
+
+def _decide(calls, text, refused):
+    """The local decision: calls if there are any, a final answer if there is text; a refusal or a cut-off reply never answers."""
+    if refused:
+        return {"kind": refused}  # not "calls" or "final": the runtime stops with invalid_decision
+    if calls:
+        return {"kind": "calls", "calls": calls}
+    if type(text) is not str or not text.strip():
+        return {"kind": "empty"}
+    return {"kind": "final", "answer": _final(text)}
+
+
+def _output(obs):
+    """One observation as the JSON text a provider expects for a tool's output."""
+    if obs["ok"]:
+        result = {"ok": True, "data": obs["data"]}
+    else:
+        result = {"ok": False, "error": obs["error"], "retryable": obs["retryable"]}
+    return json.dumps(result, ensure_ascii=False)
+
+
+async def _ask(create, request):
+    """create(**request), awaited if it is async; a plain (blocking) client runs in a thread, so time limits still hold."""
+    if inspect.iscoroutinefunction(create):
+        reply = await create(**request)
+    else:
+        reply = await asyncio.to_thread(create, **request)
+        if inspect.isawaitable(reply):
+            reply = await reply
+    # The OpenAI SDK returns pydantic objects; model_dump() gives the documented dict.
+    return reply.model_dump() if hasattr(reply, "model_dump") else reply
+
+
+def responses_tools():
+    """The `tools` list of a Responses API request: one strict function tool per inventory tool."""
+    return [{"type": "function", "name": name, "description": tool["description"],
+             "parameters": copy.deepcopy(tool["parameters"]), "strict": True} for name, tool in TOOL_SCHEMAS.items()]
+
+
+_RESPONSES_CUT_OFF = {"max_output_tokens": "truncated", "content_filter": "content_filter"}
+
+
+def from_responses(response):
+    """Turn a Responses API reply (a dict) into a local decision."""
+    status = _field(response, "status")
+    if status not in (None, "completed"):
+        reason = _field(response, "incomplete_details", "reason")
+        return _decide([], None, _RESPONSES_CUT_OFF.get(reason, "incomplete") if status == "incomplete" else str(status))
+    calls, texts, refused = [], [], None
+    for item in _field(response, "output") or []:
+        if _field(item, "type") == "function_call":
+            # call_id ties the output to the call; the item's own id ("fc_...") does not.
+            calls.append({"call_id": _field(item, "call_id"), "name": _field(item, "name"),
+                          "arguments": _arguments(_field(item, "arguments"))})
+        elif _field(item, "type") == "message":
+            for part in _field(item, "content") or []:
+                if _field(part, "type") == "refusal":
+                    refused = "refusal"
+                elif _field(part, "type") == "output_text" and type(_field(part, "text")) is str:
+                    texts.append(part["text"])
+    return _decide(calls, "".join(texts), refused)
+
+
+def responses_input(history):
+    """The input items that replay history: per round, one function_call per call, then one function_call_output per call."""
+    items = []
+    for record in history:
+        for item in record["calls"]:
+            items.append({"type": "function_call", "call_id": item["call_id"], "name": item["name"],
+                          "arguments": json.dumps(item["arguments"], ensure_ascii=False)})
+        for obs in record["observations"]:  # one per call, in request order, batch_aborted ones included
+            items.append({"type": "function_call_output", "call_id": obs["call_id"], "output": _output(obs)})
+    return items
+
+
+def responses_model(create, task, **options):
+    """A model for run_agent that asks a Responses API create() for every decision; options go into every request."""
+    async def model(history):
+        request = {**options, "input": [{"role": "user", "content": task}, *responses_input(history)], "tools": responses_tools()}
+        return from_responses(await _ask(create, request))
+    return model
+
+
+def chat_tools():
+    """The `tools` list of a Chat Completions request: one strict function per inventory tool."""
+    return [{"type": "function", "function": {"name": name, "description": tool["description"],
+                                              "parameters": copy.deepcopy(tool["parameters"]), "strict": True}}
+            for name, tool in TOOL_SCHEMAS.items()]
+
+
+_CHAT_CUT_OFF = {"length": "truncated", "content_filter": "content_filter"}
+
+
+def from_chat(completion):
+    """Turn a Chat Completions reply (a dict) into a local decision, judged by the calls present, not by finish_reason."""
+    choice = _field(completion, "choices", 0)
+    message = _field(choice, "message")
+    refused = _CHAT_CUT_OFF.get(_field(choice, "finish_reason")) or ("refusal" if _field(message, "refusal") else None)
+    calls = [{"call_id": _field(tool_call, "id"), "name": _field(tool_call, "function", "name"),
+              "arguments": _arguments(_field(tool_call, "function", "arguments"))}
+             for tool_call in _field(message, "tool_calls") or []]
+    return _decide(calls, _field(message, "content"), refused)
+
+
+def chat_messages(history):
+    """The messages that replay history: per round, the assistant's tool_calls, then one tool message per call."""
+    messages = []
+    for record in history:
+        tool_calls = [{"id": item["call_id"], "type": "function",
+                       "function": {"name": item["name"], "arguments": json.dumps(item["arguments"], ensure_ascii=False)}}
+                      for item in record["calls"]]
+        messages.append({"role": "assistant", "content": None, "tool_calls": tool_calls})
+        for obs in record["observations"]:
+            messages.append({"role": "tool", "tool_call_id": obs["call_id"], "content": _output(obs)})
+    return messages
+
+
+def chat_model(create, task, **options):
+    """A model for run_agent that asks a Chat Completions create() for every decision; options go into every request."""
+    async def model(history):
+        request = {**options, "messages": [{"role": "user", "content": task}, *chat_messages(history)], "tools": chat_tools()}
+        return from_chat(await _ask(create, request))
+    return model
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1256,6 +1256,259 @@ class BenchTests(unittest.TestCase):
             self.assertLessEqual(spread["median"], spread["max"])
 
 
+# PART 9: the provider bridge, with literal replies shaped like the providers' documented ones
+
+def fc(call_id, name, arguments, item_id=None):
+    """A Responses function_call output item; arguments are JSON text as the API sends them."""
+    text = arguments if type(arguments) is str else json.dumps(arguments)
+    return {"type": "function_call", "id": item_id or f"fc_{call_id}", "call_id": call_id, "name": name,
+            "arguments": text, "status": "completed"}
+
+
+def responses_reply(*output, status="completed", reason=None):
+    return {"id": "resp_1", "object": "response", "status": status,
+            "incomplete_details": {"reason": reason} if reason else None, "output": list(output)}
+
+
+def message(*parts):
+    return {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant", "content": list(parts)}
+
+
+def output_text(text):
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def tool_call(call_id, name, arguments):
+    text = arguments if type(arguments) is str else json.dumps(arguments)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": text}}
+
+
+def chat_reply(content=None, tool_calls=None, finish_reason="stop", refusal=None):
+    msg = {"role": "assistant", "content": content, "refusal": refusal}
+    if tool_calls is not None:
+        msg["tool_calls"] = tool_calls
+    return {"id": "chatcmpl-1", "object": "chat.completion",
+            "choices": [{"index": 0, "message": msg, "finish_reason": finish_reason}]}
+
+
+def schema_accepts(schema, value):
+    """A small JSON Schema check for the keywords TOOL_SCHEMAS uses, judging integers as Python's isinstance does."""
+    kind = schema.get("type")
+    if kind == "object":
+        return (isinstance(value, dict) and set(schema["required"]) <= set(value)
+                and (schema.get("additionalProperties", True) or set(value) <= set(schema["properties"]))
+                and all(schema_accepts(schema["properties"][key], item) for key, item in value.items()))
+    if kind == "array":
+        return (isinstance(value, list) and schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value))
+                and all(schema_accepts(schema["items"], item) for item in value))
+    if kind == "integer" and not (isinstance(value, int) and schema["minimum"] <= value <= schema["maximum"]):
+        return False
+    if kind == "string" and not isinstance(value, str):
+        return False
+    return "enum" not in schema or value in schema["enum"]
+
+
+class Recorder:
+    """A create() that replays recorded replies in order and keeps every request it was given."""
+
+    def __init__(self, *replies):
+        self.replies, self.requests = list(replies), []
+
+    def __call__(self, **request):
+        self.requests.append(copy.deepcopy(request))
+        return self.replies[min(len(self.requests), len(self.replies)) - 1]
+
+
+class ProviderBridgeTests(RuntimeTestCase):
+    def test_tool_schemas_are_strict_mode_ready(self):
+        def objects(node):
+            if isinstance(node, dict):
+                if node.get("type") == "object":
+                    yield node
+                for child in node.values():
+                    yield from objects(child)
+
+        for name, tool in agent_loop.TOOL_SCHEMAS.items():
+            with self.subTest(name=name):
+                self.assertIn(name, TOOLS)
+                self.assertTrue(tool["description"] and "\n" not in tool["description"])
+                for node in objects(tool["parameters"]):
+                    self.assertIs(node["additionalProperties"], False)
+                    self.assertEqual(sorted(node["required"]), sorted(node["properties"]))
+        partition = agent_loop.TOOL_SCHEMAS["read_partition"]["parameters"]["properties"]["partition"]
+        rows = agent_loop.TOOL_SCHEMAS["compute_plan"]["parameters"]["properties"]["rows"]
+        self.assertEqual(partition["enum"], ["north", "south"])
+        self.assertEqual((rows["minItems"], rows["maxItems"], rows["items"]["properties"]["sku"]["enum"]),
+                         (1, 4, ["CUP", "PEN", "BAG", "BOOK"]))
+        for field in ("stock", "target", "unit_cents"):
+            amount = rows["items"]["properties"][field]
+            self.assertEqual((amount["type"], amount["minimum"], amount["maximum"]), ("integer", 0, 100000))
+
+    def test_the_schema_agrees_with_valid_args_on_ordinary_cases(self):
+        schemas = {name: tool["parameters"] for name, tool in agent_loop.TOOL_SCHEMAS.items()}
+        cases = [("read_partition", {"partition": "north"}), ("read_partition", {"partition": "east"}),
+                 ("read_partition", {"partition": "north", "x": 1}), ("compute_plan", {"rows": ALL_ROWS}),
+                 ("compute_plan", {"rows": []}), ("compute_plan", {"rows": [{**ALL_ROWS[0], "stock": -1}]}),
+                 ("compute_plan", {"rows": [{**ALL_ROWS[0], "stock": 100001}]}), ("compute_plan", {"rows": ALL_ROWS + ALL_ROWS[:1]})]
+        for name, args in cases:
+            with self.subTest(name=name, args=args):
+                self.assertEqual(schema_accepts(schemas[name], args), valid_args(name, args))
+
+    def test_valid_args_stays_the_authority_where_the_schema_cannot_speak(self):
+        plan = agent_loop.TOOL_SCHEMAS["compute_plan"]["parameters"]
+        twice = {"rows": [ALL_ROWS[0], {**ALL_ROWS[0], "stock": 5}]}  # CUP twice, rows not identical
+        with_true = {"rows": [{**ALL_ROWS[0], "stock": True}]}
+        for args in (twice, with_true):
+            with self.subTest(args=args):
+                self.assertTrue(schema_accepts(plan, args))
+                self.assertFalse(valid_args("compute_plan", args))
+
+    def test_tools_lists_have_each_providers_shape(self):
+        responses, chat = agent_loop.responses_tools(), agent_loop.chat_tools()
+        self.assertEqual([sorted(tool) for tool in responses], [["description", "name", "parameters", "strict", "type"]] * 2)
+        self.assertEqual([(tool["type"], tool["name"], tool["strict"]) for tool in responses],
+                         [("function", "read_partition", True), ("function", "compute_plan", True)])
+        self.assertEqual([(tool["type"], sorted(tool["function"])) for tool in chat],
+                         [("function", ["description", "name", "parameters", "strict"])] * 2)
+        responses[0]["parameters"]["properties"].clear()  # a caller's edit does not reach the schemas
+        self.assertIn("partition", agent_loop.TOOL_SCHEMAS["read_partition"]["parameters"]["properties"])
+
+    def test_the_call_id_is_responses_call_id_and_chats_tool_call_id(self):
+        decision = agent_loop.from_responses(responses_reply(fc("call_7", "read_partition", {"partition": "north"}, item_id="fc_99")))
+        self.assertEqual(decision, calls(call("call_7", partition="north")))
+        decision = agent_loop.from_chat(chat_reply(tool_calls=[tool_call("call_8", "read_partition", {"partition": "south"})],
+                                                   finish_reason="tool_calls"))
+        self.assertEqual(decision, calls(call("call_8", partition="south")))
+
+    async def test_arguments_that_are_not_a_json_object_stay_raw_and_nothing_runs(self):
+        for text in ('{"partition": "north"', '["north"]', '"north"', "null", "", '{"partition":"north","partition":"south"}'):
+            for model in (agent_loop.responses_model(Recorder(responses_reply(fc("c1", "read_partition", text))), "task"),
+                          agent_loop.chat_model(Recorder(chat_reply(tool_calls=[tool_call("c1", "read_partition", text)])), "task")):
+                with self.subTest(text=text):
+                    self.assertEqual((await model([]))["calls"][0]["arguments"], text)  # kept as the raw text
+                    fixtures = Fixtures()
+                    result = await run_agent(model, fixtures=fixtures, limits=ROOMY)
+                    self.assertEqual((result["status"], result["used"]["calls"], fixtures.started), ("invalid_arguments", 0, []))
+
+    def test_any_function_call_makes_a_calls_decision_even_with_text_beside_it(self):
+        north = call("c1", partition="north")
+        reply = responses_reply(message(output_text("Let me look.")), fc("c1", "read_partition", {"partition": "north"}))
+        self.assertEqual(agent_loop.from_responses(reply), calls(north))
+        reply = chat_reply("Let me look.", [tool_call("c1", "read_partition", {"partition": "north"})], finish_reason="stop")
+        self.assertEqual(agent_loop.from_chat(reply), calls(north))
+
+    def test_text_without_calls_is_final_parsed_as_json_when_it_is_json(self):
+        for text, answer in ((json.dumps(PLAN), PLAN), ("The total is 21900 cents.", "The total is 21900 cents."), ("7", 7)):
+            with self.subTest(text=text):
+                self.assertEqual(agent_loop.from_responses(responses_reply(message(output_text(text)))), final(answer))
+                self.assertEqual(agent_loop.from_chat(chat_reply(text)), final(answer))
+
+    async def test_refusals_and_cut_off_or_empty_replies_never_answer(self):
+        north = {"partition": "north"}
+        cases = [
+            (agent_loop.responses_model, responses_reply(message({"type": "refusal", "refusal": "I can't help with that."})), "refusal"),
+            (agent_loop.responses_model, responses_reply(message(output_text(json.dumps(PLAN))), status="incomplete",
+                                                         reason="max_output_tokens"), "truncated"),
+            (agent_loop.responses_model, responses_reply(status="incomplete", reason="content_filter"), "content_filter"),
+            (agent_loop.responses_model, responses_reply(fc("c1", "read_partition", north), status="failed"), "failed"),
+            (agent_loop.responses_model, responses_reply(), "empty"),
+            (agent_loop.responses_model, responses_reply(message(output_text("  "))), "empty"),
+            (agent_loop.chat_model, chat_reply(refusal="I can't help with that."), "refusal"),
+            (agent_loop.chat_model, chat_reply(json.dumps(PLAN)[:40], finish_reason="length"), "truncated"),
+            (agent_loop.chat_model, chat_reply("", finish_reason="content_filter"), "content_filter"),
+            (agent_loop.chat_model, chat_reply(None, [tool_call("c1", "read_partition", north)], finish_reason="length"), "truncated"),
+            (agent_loop.chat_model, chat_reply(None), "empty"),
+            (agent_loop.chat_model, {"choices": []}, "empty"),
+        ]
+        for make_model, reply, kind in cases:
+            with self.subTest(kind=kind, reply=reply):
+                fixtures = Fixtures()
+                result = await run_agent(make_model(Recorder(reply), "task"), fixtures=fixtures, limits=ROOMY)
+                self.assertEqual((result["status"], result["trace"][0]["kind"]), ("invalid_decision", kind))
+                self.assertEqual((result["used"]["rounds"], fixtures.started, result["answer"]), (1, [], None))
+
+    async def test_two_calls_with_one_id_reach_preflight_as_they_are(self):
+        north, south = {"partition": "north"}, {"partition": "south"}
+        responses = Recorder(responses_reply(fc("dup", "read_partition", north), fc("dup", "read_partition", south)))
+        chat = Recorder(chat_reply(tool_calls=[tool_call("dup", "read_partition", north), tool_call("dup", "read_partition", south)]))
+        for model in (agent_loop.responses_model(responses, "task"), agent_loop.chat_model(chat, "task")):
+            fixtures = Fixtures()
+            result = await run_agent(model, fixtures=fixtures, limits=ROOMY)
+            self.assertEqual((result["status"], fixtures.started), ("duplicate_call_id", []))
+
+    async def test_end_to_end_through_the_responses_format(self):
+        create = Recorder(
+            responses_reply(fc("call_n", "read_partition", {"partition": "north"}), fc("call_s", "read_partition", {"partition": "south"})),
+            responses_reply(fc("call_p", "compute_plan", {"rows": ALL_ROWS})),
+            responses_reply(message(output_text(json.dumps(PLAN)))),
+        )
+        result = await run_agent(agent_loop.responses_model(create, "Plan the restock.", model="some-model", temperature=0),
+                                 limits=ROOMY)
+        self.assertEqual((result["status"], result["answer"]["total_cents"]), ("completed", 21900))
+        self.assertEqual(result["used"], {"rounds": 3, "calls": 3, "credits": 17})
+        self.assertEqual(len(create.requests), 3)
+        for request in create.requests:
+            self.assertEqual((request["model"], request["temperature"], request["tools"]),
+                             ("some-model", 0, agent_loop.responses_tools()))
+            self.assertEqual(request["input"][0], {"role": "user", "content": "Plan the restock."})
+        third = create.requests[2]["input"][1:]
+        self.assertEqual([(item["type"], item["call_id"]) for item in third], [
+            ("function_call", "call_n"), ("function_call", "call_s"),
+            ("function_call_output", "call_n"), ("function_call_output", "call_s"),
+            ("function_call", "call_p"), ("function_call_output", "call_p")])
+        self.assertEqual(create.requests[1]["input"][1:], third[:4])
+        self.assertEqual(json.loads(third[0]["arguments"]), {"partition": "north"})
+        north, plan = json.loads(third[2]["output"]), json.loads(third[5]["output"])
+        self.assertEqual((north["ok"], north["data"]["partition"], north["data"]["rows"]), (True, "north", DATA["north"]))
+        self.assertEqual(plan, {"ok": True, "data": PLAN})
+
+    async def test_end_to_end_through_the_chat_format_with_an_async_create(self):
+        replies = Recorder(
+            chat_reply(None, [tool_call("call_n", "read_partition", {"partition": "north"}),
+                              tool_call("call_s", "read_partition", {"partition": "south"})], finish_reason="tool_calls"),
+            chat_reply(None, [tool_call("call_p", "compute_plan", {"rows": ALL_ROWS})], finish_reason="tool_calls"),
+            chat_reply(json.dumps(PLAN)),
+        )
+
+        async def create(**request):
+            return replies(**request)
+
+        result = await run_agent(agent_loop.chat_model(create, "Plan the restock.", model="some-model"), limits=ROOMY)
+        self.assertEqual((result["status"], result["answer"]["total_cents"]), ("completed", 21900))
+        messages = replies.requests[2]["messages"]
+        self.assertEqual([(m["role"], m.get("tool_call_id")) for m in messages], [
+            ("user", None), ("assistant", None), ("tool", "call_n"), ("tool", "call_s"), ("assistant", None), ("tool", "call_p")])
+        self.assertEqual([tc["id"] for tc in messages[1]["tool_calls"]], ["call_n", "call_s"])
+        self.assertEqual(messages[1]["tool_calls"][0]["function"], {"name": "read_partition", "arguments": '{"partition": "north"}'})
+        self.assertEqual(json.loads(messages[5]["content"]), {"ok": True, "data": PLAN})
+        self.assertEqual(replies.requests[0]["tools"], agent_loop.chat_tools())
+
+    def test_every_call_gets_one_output_failures_and_batch_aborted_included(self):
+        north, south = call("n", partition="north"), call("s", partition="south")
+        history = [{"round": 1, "calls": [north, south], "observations": [
+            {**north, "ok": False, "error": "permission_denied", "retryable": False},
+            {**south, "ok": False, "error": "batch_aborted", "retryable": False}]}]
+        outputs = [item for item in agent_loop.responses_input(history) if item["type"] == "function_call_output"]
+        self.assertEqual([(item["call_id"], json.loads(item["output"])) for item in outputs], [
+            ("n", {"ok": False, "error": "permission_denied", "retryable": False}),
+            ("s", {"ok": False, "error": "batch_aborted", "retryable": False})])
+        tools = [m for m in agent_loop.chat_messages(history) if m["role"] == "tool"]
+        self.assertEqual([(m["tool_call_id"], json.loads(m["content"])["error"]) for m in tools],
+                         [("n", "permission_denied"), ("s", "batch_aborted")])
+
+    async def test_a_blocking_create_runs_in_a_thread_so_the_model_time_limit_holds(self):
+        gate = threading.Event()
+
+        def blocking_create(**request):
+            gate.wait(30)
+            return responses_reply()
+
+        result = await run_agent(agent_loop.responses_model(blocking_create, "task"),
+                                 limits=dataclasses.replace(ROOMY, model_seconds=0.2))
+        gate.set()
+        self.assertEqual((result["status"], result["used"]["rounds"]), ("model_timeout", 1))
+
+
 # Invariants under inputs nobody chose: a seeded property suite. A failing case prints its seed;
 # replay it alone with AGENT_LOOP_SEED=<seed> python3 -m unittest test_agent_loop.InvariantTests
 
