@@ -1,4 +1,4 @@
-"""An asyncio runtime that runs a model's batches of tool calls under budgets, time limits and an independent final check.
+"""A small asyncio runtime that runs a model's tool calls under budgets, time limits and an independent final check.
 
     python3 agent_loop.py demo      # the normal run, then a run where north fails once
     python3 -m unittest             # the tests
@@ -50,7 +50,7 @@ MAX_DEPTH = 32  # nesting allowed in data from outside; deeper is refused, which
 
 
 def _is_data(value, depth=0):
-    """True if value is plain JSON data: exact dicts with str keys, lists, str, bool, None, 64-bit ints, finite floats."""
+    """True if value is plain JSON data: dicts with str keys, lists, str, bool, None, 64-bit ints, finite floats."""
     of = type(value)
     if of in (str, bool, type(None)):
         return True
@@ -432,7 +432,7 @@ def _tool_error(error):
 
 
 async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None, registry=None, accept=accepted):
-    """Run decisions and tool batches until an answer passes the final check or a rule stops the run; return the record."""
+    """Run decisions and tool batches until an answer passes the final check or a rule stops the run."""
     limits = Limits() if limits is None else limits
     _check_limits(limits)
     tools = Fixtures() if fixtures is None else fixtures
@@ -671,7 +671,6 @@ class FunctionTools:
         return all(thread.done() for thread in self._threads)
 
 
-
 # PART 7: the scenario atlas: one small, deterministic run per stop status
 
 def scripted(*decisions):
@@ -711,19 +710,23 @@ ATLAS = (
     ("completed", "both reads in one parallel batch, then the plan; the answer passed the final check", {}),
     ("round_limit", "two rounds read and planned; no round was left for the answer", {"limits": {"rounds": 2}}),
     ("call_limit", "the first batch holds two reads but one call was allowed: nothing ran", {"limits": {"calls": 1}}),
-    ("credit_limit", "the plan was computed, then 14 + 3 credits for the answer passed 16", {"limits": {"credits": 16}}),
+    ("credit_limit", "the plan was computed, then 14 + 3 credits for the answer passed 16",
+     {"limits": {"credits": 16}}),
     ("deadline", "both reads hung; the 0.3 s run deadline cut them off (tool_timeout) and ended the run",
      {"failures": _HANG, "limits": {"total_seconds": 0.3, "tool_seconds": 1}}),
     ("cancelled", "the cancel event was set while both reads ran; both were cancelled and kept as observations",
      {"failures": _HANG, "limits": {"tool_seconds": 5}, "cancel_after": 2}),
-    ("model_timeout", "the model did not decide within 0.05 s", {"model": _hanging_model, "limits": {"model_seconds": 0.05}}),
+    ("model_timeout", "the model did not decide within 0.05 s",
+     {"model": _hanging_model, "limits": {"model_seconds": 0.05}}),
     ("model_exception", "the model raised; its message is not kept", {"model": _failing_model}),
     ("invalid_decision", "the model returned text instead of a decision", {"model": scripted("the total is 21900")}),
     ("invalid_final", "a correct answer guessed before any evidence was read",
      {"model": scripted({"kind": "final", "answer": make_plan(DATA["north"] + DATA["south"])})}),
     ("invalid_batch", "an empty batch of calls", {"model": scripted({"kind": "calls", "calls": []})}),
-    ("invalid_call", "a call that is a string, not a dict", {"model": scripted({"kind": "calls", "calls": ["read north"]})}),
-    ("invalid_call_id", "an empty call id", {"model": scripted({"kind": "calls", "calls": [call("", partition="north")]})}),
+    ("invalid_call", "a call that is a string, not a dict",
+     {"model": scripted({"kind": "calls", "calls": ["read north"]})}),
+    ("invalid_call_id", "an empty call id",
+     {"model": scripted({"kind": "calls", "calls": [call("", partition="north")]})}),
     ("duplicate_call_id", "two calls with the id 'a' in one batch: nothing ran",
      {"model": scripted({"kind": "calls", "calls": [_NORTH, call("a", partition="south")]})}),
     ("unknown_tool", "the injected note asked for place_order; text in data grants no tool",
@@ -757,7 +760,8 @@ async def run_scenario(name):
                             cancel=cancel, after=how.get("cancel_after", 0))
     registry = {tool: replace(spec, **how.get("registry", {}).get(tool, {})) for tool, spec in TOOLS.items()}
     limits = replace(Limits(), **how.get("limits", {}))
-    result = await run_agent(how.get("model", fake_model), limits=limits, fixtures=fixtures, cancel=cancel, registry=registry)
+    model = how.get("model", fake_model)
+    result = await run_agent(model, limits=limits, fixtures=fixtures, cancel=cancel, registry=registry)
     return result, fixtures
 
 
@@ -774,15 +778,16 @@ async def scenarios(name=None, as_json=False):
     rows = []
     for title, why, _ in ATLAS:
         result, _ = await run_scenario(title)
-        rows.append({"name": title, "status": result["status"], "used": result["used"], "errors": _errors(result), "why": why})
+        rows.append({"name": title, "status": result["status"], "used": result["used"],
+                     "errors": _errors(result), "why": why})
     if as_json:
         _show(rows)
         return
     print(f"{'scenario':<18} {'status':<18} {'rounds':>6} {'calls':>5} {'credits':>7}  what happened")
     for row in rows:
         used = row["used"]
-        print(f"{row['name']:<18} {row['status']:<18} {used['rounds']:>6} {used['calls']:>5} {used['credits']:>7}  {row['why']}")
-
+        print(f"{row['name']:<18} {row['status']:<18} {used['rounds']:>6} {used['calls']:>5} {used['credits']:>7}"
+              f"  {row['why']}")
 
 
 # PART 8: the benchmark: what parallel batches and bounded waits buy, and what the runtime costs
@@ -811,7 +816,8 @@ def _batches(name, per_round):
     """A model that asks for `per_round` calls of one tool every round, with fresh ids and arguments."""
     async def model(history):
         number = len(history) + 1
-        return {"kind": "calls", "calls": [call(f"{name}{number}-{i}", name, n=number * 10 + i) for i in range(per_round)]}
+        batch = [call(f"{name}{number}-{i}", name, n=number * 10 + i) for i in range(per_round)]
+        return {"kind": "calls", "calls": batch}
     return model
 
 
@@ -823,7 +829,8 @@ def _roomy(rounds, calls, **seconds):
 async def _timed(model, limits, parallel=True):
     tools = FunctionTools({"tick": _tick, "wait": _wait, "hang": _hang})
     start = time.perf_counter()
-    result = await run_agent(model, limits=limits, fixtures=tools, registry=_bench_registry(parallel), accept=lambda a, h: False)
+    registry = _bench_registry(parallel)
+    result = await run_agent(model, limits=limits, fixtures=tools, registry=registry, accept=lambda a, h: False)
     return time.perf_counter() - start, result
 
 
@@ -854,7 +861,7 @@ async def _overhead(repeats, runs=40, rounds=5):
 
 
 async def _limit_overshoot(runs):
-    """Milliseconds past tool_seconds until a hanging tool has stopped, and past total_seconds until run_agent returns."""
+    """Milliseconds past tool_seconds until a hanging tool stopped, and past total_seconds until run_agent returned."""
     tool, total = [], []
     for _ in range(runs):
         stopped = []
@@ -877,12 +884,12 @@ async def _limit_overshoot(runs):
 
 async def _growth(sizes, samples=20):
     """Milliseconds per round once history holds n rounds, beside a plain deepcopy of that history."""
-    figures = {}
+    figures, ticks = {}, _batches("tick", 1)
     for n in sizes:
         marks = []
 
-        async def model(history, ticks=_batches("tick", 1)):
-            marks.append(time.perf_counter())
+        async def model(history):
+            marks.append(time.perf_counter())  # one mark per decision: a round is the time between two
             return await ticks(history)
 
         _, result = await _timed(model, _roomy(n + 1, n + 1))
@@ -914,7 +921,8 @@ async def bench(quick=False, as_json=False):
         return
     cell = "{median:8.3f} [{min:.3f} .. {max:.3f}]".format
     print(f"agent_loop bench: Python {figures['python']}, {figures['cores']} cores; median [min .. max] over repeats")
-    print(f"\n1. Parallel efficiency: k tools each waiting {BENCH_WAIT * 1000:.0f} ms, batch wall time / {BENCH_WAIT * 1000:.0f} ms"
+    wait = f"{BENCH_WAIT * 1000:.0f} ms"
+    print(f"\n1. Parallel efficiency: k tools each waiting {wait}, batch wall time / {wait}"
           f" ({repeats} repeats; the limits are 1 and k)")
     for k, modes in figures["parallel_efficiency"].items():
         print(f"   k={k}  parallel {cell(**modes['parallel'])}   serial {cell(**modes['serial'])}")
@@ -928,8 +936,8 @@ async def bench(quick=False, as_json=False):
     print("\n4. Growth: milliseconds per round once history holds n rounds, beside a plain deepcopy of that history")
     for n, row in figures["growth"].items():
         ratio = row["round_ms"]["median"] / row["deepcopy_ms"]["median"]
-        print(f"   n={n:<5} per round {cell(**row['round_ms'])}   deepcopy {cell(**row['deepcopy_ms'])}   ratio {ratio:.2f}")
-
+        print(f"   n={n:<5} per round {cell(**row['round_ms'])}   deepcopy {cell(**row['deepcopy_ms'])}"
+              f"   ratio {ratio:.2f}")
 
 
 # PART 9: connect a real model: the OpenAI Responses and Chat Completions wire formats
@@ -941,7 +949,7 @@ _AMOUNT = {"type": "integer", "minimum": 0, "maximum": MAX_AMOUNT}
 # that a bool is not an integer (checked on Python values, isinstance(True, int) is true).
 TOOL_SCHEMAS = {
     "read_partition": {
-        "description": "Read one partition of the inventory snapshot: each row's sku, stock, target and unit price in cents.",
+        "description": "Read one inventory partition: each row's sku, stock, target and unit price in cents.",
         "parameters": {
             "type": "object",
             "properties": {"partition": {"type": "string", "enum": list(DATA)}},
@@ -950,7 +958,7 @@ TOOL_SCHEMAS = {
         },
     },
     "compute_plan": {
-        "description": "Compute the restock plan (target minus stock, in integer cents) for 1 to 4 rows read from the snapshot.",
+        "description": "Compute the restock plan (target minus stock, in integer cents) for 1 to 4 rows.",
         "parameters": {
             "type": "object",
             "properties": {
@@ -1003,7 +1011,7 @@ def _arguments(text):
 
 
 def _final(text):
-    """A final answer from reply text: parsed as JSON when it is JSON, else kept as text for the final check to judge."""
+    """A final answer from reply text: parsed as JSON when it is JSON, else the text, for the final check to judge."""
     try:
         return json.loads(text)
     except (TypeError, ValueError, RecursionError):
@@ -1011,7 +1019,7 @@ def _final(text):
 
 
 def _decide(calls, text, refused):
-    """The local decision: calls if there are any, a final answer if there is text; a refusal or a cut-off reply never answers."""
+    """The local decision: calls if any, else a final answer from text; a refused or cut-off reply never answers."""
     if refused:
         return {"kind": refused}  # not "calls" or "final": the runtime stops with invalid_decision
     if calls:
@@ -1031,7 +1039,7 @@ def _output(obs):
 
 
 async def _ask(create, request):
-    """create(**request), awaited if it is async; a plain (blocking) client runs in a thread, so time limits still hold."""
+    """create(**request), awaited if it is async; a plain (blocking) one runs in a thread, so time limits still hold."""
     if inspect.iscoroutinefunction(create):
         reply = await create(**request)
     else:
@@ -1056,7 +1064,8 @@ def from_responses(response):
     status = _field(response, "status")
     if status not in (None, "completed"):
         reason = _field(response, "incomplete_details", "reason")
-        return _decide([], None, _RESPONSES_CUT_OFF.get(reason, "incomplete") if status == "incomplete" else str(status))
+        cut_off = _RESPONSES_CUT_OFF.get(reason, "incomplete") if status == "incomplete" else str(status)
+        return _decide([], None, cut_off)
     calls, texts, refused = [], [], None
     for item in _field(response, "output") or []:
         if _field(item, "type") == "function_call":
@@ -1073,7 +1082,7 @@ def from_responses(response):
 
 
 def responses_input(history):
-    """The input items that replay history: per round, one function_call per call, then one function_call_output per call."""
+    """The input items that replay history: per round, a function_call per call, then one output per call."""
     items = []
     for record in history:
         for item in record["calls"]:
@@ -1087,7 +1096,8 @@ def responses_input(history):
 def responses_model(create, task, **options):
     """A model for run_agent that asks a Responses API create() for every decision; options go into every request."""
     async def model(history):
-        request = {**options, "input": [{"role": "user", "content": task}, *responses_input(history)], "tools": responses_tools()}
+        turns = [{"role": "user", "content": task}, *responses_input(history)]
+        request = {**options, "input": turns, "tools": responses_tools()}
         return from_responses(await _ask(create, request))
     return model
 
@@ -1103,7 +1113,7 @@ _CHAT_CUT_OFF = {"length": "truncated", "content_filter": "content_filter"}
 
 
 def from_chat(completion):
-    """Turn a Chat Completions reply (a dict) into a local decision, judged by the calls present, not by finish_reason."""
+    """Turn a Chat Completions reply (a dict) into a local decision: by the calls present, not by finish_reason."""
     choice = _field(completion, "choices", 0)
     message = _field(choice, "message")
     refused = _CHAT_CUT_OFF.get(_field(choice, "finish_reason")) or ("refusal" if _field(message, "refusal") else None)
@@ -1117,8 +1127,8 @@ def chat_messages(history):
     """The messages that replay history: per round, the assistant's tool_calls, then one tool message per call."""
     messages = []
     for record in history:
-        tool_calls = [{"id": item["call_id"], "type": "function",
-                       "function": {"name": item["name"], "arguments": json.dumps(item["arguments"], ensure_ascii=False)}}
+        tool_calls = [{"id": item["call_id"], "type": "function", "function": {
+                           "name": item["name"], "arguments": json.dumps(item["arguments"], ensure_ascii=False)}}
                       for item in record["calls"]]
         messages.append({"role": "assistant", "content": None, "tool_calls": tool_calls})
         for obs in record["observations"]:
@@ -1129,7 +1139,8 @@ def chat_messages(history):
 def chat_model(create, task, **options):
     """A model for run_agent that asks a Chat Completions create() for every decision; options go into every request."""
     async def model(history):
-        request = {**options, "messages": [{"role": "user", "content": task}, *chat_messages(history)], "tools": chat_tools()}
+        turns = [{"role": "user", "content": task}, *chat_messages(history)]
+        request = {**options, "messages": turns, "tools": chat_tools()}
         return from_chat(await _ask(create, request))
     return model
 

@@ -1,4 +1,4 @@
-"""The result-ownership experiment: who owns the object a tool returns, and what happens to history when the tool keeps it.
+"""The result-ownership experiment: who owns the object a tool returns, and what happens when the tool keeps it.
 
     python3 -B result_ownership.py      # prints the observations of the three modes as JSON
 
@@ -129,7 +129,7 @@ async def run_mode(mode, make_tool=ReusedCache):
 
 
 async def run_experiment(make_tool=ReusedCache):
-    """Run every mode, in order, each with a fresh tool, and return {mode: report}; raise ExperimentError if DATA changed."""
+    """Run every mode in order, each with a fresh tool; return {mode: report}. Raise ExperimentError if DATA changed."""
     before = canonical(DATA)
     reports = {mode: await run_mode(mode, make_tool) for mode in MODES}
     if canonical(DATA) != before:
