@@ -1,7 +1,9 @@
 """A small asyncio runtime that runs a model's tool calls under budgets, time limits and an independent final check.
 
-    python3 agent_loop.py demo      # the normal run, then a run where north fails once
-    python3 -m unittest             # the tests
+    python3 agent_loop.py demo        # the normal run, then a run where north fails once
+    python3 agent_loop.py scenarios   # one small run per stop status
+    python3 agent_loop.py bench       # what parallel batches and bounded waits buy, what the runtime costs
+    python3 -m unittest               # the tests
 """
 
 import argparse
@@ -231,9 +233,9 @@ async def bounded(factory, seconds, cancel):
     if cancel.is_set():
         raise Stop("cancelled")
     job = asyncio.create_task(_await(factory))
-    cancelled = asyncio.create_task(cancel.wait())
+    cancel_wait = asyncio.create_task(cancel.wait())
     try:
-        await asyncio.wait((job, cancelled), timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((job, cancel_wait), timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
         if cancel.is_set():  # a set cancel wins, even over a job that also finished
             raise Stop("cancelled")
         if not job.done():
@@ -244,7 +246,7 @@ async def bounded(factory, seconds, cancel):
             raise RuntimeError("the job raised a runtime signal")
         return job.result()
     finally:
-        await _settle(job, cancelled)
+        await _settle(job, cancel_wait)
 
 
 async def _await(factory):
