@@ -52,12 +52,12 @@ MAX_DEPTH = 32  # nesting allowed in data from outside; deeper is refused, which
 
 
 def _is_data(value, depth=0):
-    """True if value is plain JSON data: dicts with str keys, lists, str, bool, None, 64-bit ints, finite floats."""
+    """True if value is plain JSON data: dicts with str keys, lists, str, bool, None, signed 64-bit ints, finite floats."""
     of = type(value)
     if of in (str, bool, type(None)):
         return True
     if of is int:
-        return -2**63 <= value < 2**64  # wider integers do not survive most JSON readers
+        return -2**63 <= value < 2**63  # a signed 64-bit integer: wider ones do not survive most JSON readers
     if of is float:
         return math.isfinite(value)
     if depth >= MAX_DEPTH:
@@ -74,7 +74,7 @@ _ATOMS = frozenset({str, int, float, bool, type(None)})  # immutable: a copy may
 
 def _fresh(value):
     """An independent copy of plain data: dicts and lists rebuilt, immutable atoms shared, anything else deep-copied."""
-    # For the JSON data history holds this equals copy.deepcopy at about a third of its cost: it
+    # For the JSON data history holds this equals copy.deepcopy at a fraction of its cost (bench, part 4): it
     # skips deepcopy's memo, its per-type dispatch, and a call for every atom.
     of = type(value)
     if of is dict:
@@ -398,6 +398,23 @@ def _check_limits(limits):
             raise ValueError(f"{name} must be a finite number > 0")
 
 
+def _check_registry(registry):
+    """Raise ValueError, with a short message naming the tool, for a registry the runtime cannot honour."""
+    if type(registry) is not dict:
+        raise ValueError("registry must be a dict of ToolSpec")
+    for name, spec in registry.items():
+        if type(name) is not str:
+            raise ValueError("registry: tool names must be strings")
+        if type(spec) is not ToolSpec:
+            raise ValueError(f"{name}: not a ToolSpec")
+        if type(spec.cost) is not int or spec.cost < 0:
+            raise ValueError(f"{name}: cost must be an int >= 0")
+        if type(spec.read_only) is not bool or type(spec.parallel_safe) is not bool:
+            raise ValueError(f"{name}: read_only and parallel_safe must be bools")
+        if spec.validate is not None and not callable(spec.validate):
+            raise ValueError(f"{name}: validate must be a function or None")
+
+
 def _finite(number):
     try:
         return math.isfinite(number)
@@ -440,6 +457,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
     tools = Fixtures() if fixtures is None else fixtures
     cancel = asyncio.Event() if cancel is None else cancel
     registry = dict(TOOLS) if registry is None else registry
+    _check_registry(registry)
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limits.total_seconds
@@ -648,8 +666,7 @@ class FunctionTools:
             except BaseException as error:  # SystemExit in a thread is only this function's failure
                 outcome.set_exception(RuntimeError(f"the function raised {type(error).__name__}"))
 
-        # The loop's default executor, so asyncio.run() waits for these threads before it returns.
-        asyncio.get_running_loop().run_in_executor(None, work)
+        self._start(work)
         try:
             return await asyncio.wrap_future(outcome)
         except asyncio.CancelledError:
@@ -659,6 +676,10 @@ class FunctionTools:
                 self.abandoned.append(cid)
                 self._threads.append(outcome)
             raise
+
+    def _start(self, work):
+        # The loop's default executor, so asyncio.run() waits for these threads before it returns.
+        asyncio.get_running_loop().run_in_executor(None, work)
 
     async def wait_abandoned(self, seconds):
         """Wait up to `seconds` for the abandoned threads to end; return True if none is still running."""

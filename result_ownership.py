@@ -2,7 +2,7 @@
 
     python3 -B result_ownership.py      # prints the observations of the three modes as JSON
 
-The model is handed deepcopy(history), yet an old observation in the runtime's
+The model is handed a fresh copy of history, yet an old observation in the runtime's
 own history changes. The runtime stores a tool's result as returned; a tool
 that keeps that object (a cache) and updates it in place later changes history
 with it. A delivery boundary between tool and runtime decides who owns the

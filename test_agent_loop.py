@@ -16,7 +16,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import unittest
+import unittest.mock
 
 from agent_loop import (
     DATA, MODEL_COST, NOTE, SNAPSHOT, STOP_STATUSES, TOOLS, Fixtures, FunctionTools, Limits, Stop, TemporaryError,
@@ -91,6 +93,10 @@ class RuntimeTestCase(unittest.IsolatedAsyncioTestCase):
     def assertNoPrivateText(self, result):
         self.assertNotIn("private", repr(result))
 
+    def allowBlockingSteps(self):
+        """For a test that blocks the loop on purpose: asyncio's debug mode would log every slow step."""
+        asyncio.get_running_loop().slow_callback_duration = 60
+
 
 # PART 1
 
@@ -159,10 +165,8 @@ class SchemaTests(unittest.TestCase):
         self.assertEqual(dataclasses.replace(TOOLS["read_partition"], parallel_safe=False), ToolSpec(2, True, False))
         self.assertEqual(dataclasses.astuple(Limits()), (6, 5, 30, 2, 0.2, 0.2, 2.0))
         self.assertEqual(MODEL_COST, 3)
-        with self.assertRaises(dataclasses.FrozenInstanceError):
+        with self.assertRaises(dataclasses.FrozenInstanceError):  # a registry entry cannot be changed in place
             TOOLS["read_partition"].cost = 0
-        self.assertEqual(str(Stop("deadline")), "deadline")
-        self.assertTrue(issubclass(TemporaryError, Exception))
 
 
 def dict_subclass(value):
@@ -316,6 +320,31 @@ class AcceptedTests(unittest.IsolatedAsyncioTestCase):
         self.assertFalse(accepted(PLAN, history[:1]))  # no plan computed
         self.assertFalse(accepted(PLAN, []))
 
+    async def test_the_answer_needs_every_piece_of_evidence(self):
+        class OldSnapshot(Fixtures):
+            async def invoke(self, call):
+                result = await super().invoke(call)
+                if call["arguments"].get("partition") == "south":
+                    result["snapshot"] = "inventory-v0"
+                return result
+
+        read_both = LITERAL_PATH[0]
+        cases = [  # (why, decisions, fixtures)
+            ("all evidence", LITERAL_PATH, Fixtures(delays={})),
+            ("south never read", (calls(call("n", partition="north")), LITERAL_PATH[1], final(PLAN)), Fixtures(delays={})),
+            ("a read of another snapshot", LITERAL_PATH, OldSnapshot(delays={})),
+            # PEN has nothing to order, so a plan without it has the same items: still not the rows read.
+            ("the plan left a row out", (read_both, calls(call("p", "compute_plan", rows=[ALL_ROWS[i] for i in (0, 2, 3)])),
+                                         final(PLAN)), Fixtures(delays={})),
+            ("the plan's rows in another order", (read_both, calls(call("p", "compute_plan", rows=ALL_ROWS[2:] + ALL_ROWS[:2])),
+                                                  final(PLAN)), Fixtures(delays={})),
+        ]
+        for why, decisions, fixtures in cases:
+            with self.subTest(why=why):
+                result = await run_agent(scripted(*decisions), fixtures=fixtures, limits=ROOMY)
+                self.assertEqual(result["status"], "completed" if why == "all evidence" else "invalid_final")
+                self.assertEqual(result["used"]["rounds"], 3)
+
 
 # PART 4
 
@@ -441,6 +470,74 @@ class RunAgentTests(RuntimeTestCase):
         self.assertEqual(result["used"], {"rounds": 1, "calls": 2, "credits": 7})
         self.assertEqual((sorted(fixtures.cancelled), fixtures.active), (["r1-north", "r1-south"], 0))
         self.assertNoTaskLeft()
+
+    async def test_the_deadline_bounds_a_tools_wait_below_its_own_limit(self):
+        # The tools would hang for 10 s and tool_seconds allows 20: only the run's 0.3 s deadline can end them.
+        fixtures = Fixtures(failures={"north": ["timeout"], "south": ["timeout"]})
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        result = await run_agent(fixtures=fixtures, limits=Limits(tool_seconds=20, model_seconds=20, total_seconds=0.3))
+        self.assertLess(loop.time() - start, 5)  # returned long before either the tools or their limit would end
+        self.assertEqual((result["status"], errors(result)), ("deadline", ["tool_timeout", "tool_timeout"]))
+        self.assertEqual(fixtures.active, 0)
+
+    async def test_a_model_wait_that_the_deadline_cuts_says_deadline(self):
+        async def hangs(history):
+            await asyncio.sleep(10)
+
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        result = await run_agent(hangs, limits=Limits(tool_seconds=20, model_seconds=20, total_seconds=0.3))
+        self.assertLess(loop.time() - start, 5)
+        self.assertEqual((result["status"], result["used"]), ("deadline", {"rounds": 1, "calls": 0, "credits": 3}))
+
+    async def test_a_decision_that_arrives_after_the_deadline_is_not_acted_on(self):
+        def blocks_then_decides(history):
+            time.sleep(0.5)  # blocks the loop past the deadline, so no timer can interrupt it
+            return calls(call("late", partition="north"))
+
+        async def model(history):
+            return blocks_then_decides(history)
+
+        self.allowBlockingSteps()
+        fixtures = Fixtures()
+        result = await run_agent(model, fixtures=fixtures, limits=Limits(tool_seconds=20, model_seconds=20, total_seconds=0.2))
+        self.assertEqual((result["status"], result["history"], fixtures.started), ("deadline", [], []))
+        self.assertEqual([event["event"] for event in result["trace"]], ["stop"])
+
+    async def test_a_batch_runs_in_parallel_only_if_every_tool_in_it_allows_it(self):
+        fixtures = Fixtures(delays={"north": 0.05, "compute_plan": 0})
+        model = scripted(calls(call("n", partition="north"), call("p", "compute_plan", rows=ALL_ROWS)))
+        result = await run_agent(model, fixtures=fixtures, limits=dataclasses.replace(ROOMY, rounds=1))
+        self.assertEqual((result["trace"][1]["parallel"], fixtures.peak), (False, 1))
+        self.assertEqual(fixtures.finished, ["n", "p"])  # the slow read first: the plan waited for it
+
+    async def test_calls_a_stop_overtook_carry_its_status_and_neither_start_nor_count(self):
+        # A serial batch: north hangs until the deadline cuts it (retryable), so south is reached only after it.
+        fixtures = Fixtures(failures={"north": ["timeout"]})
+        registry = {**TOOLS, "read_partition": dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)}
+        limits = Limits(tool_seconds=20, model_seconds=20, total_seconds=0.3)
+        result = await run_agent(fixtures=fixtures, registry=registry, limits=limits)
+        self.assertEqual((result["status"], errors(result)), ("deadline", ["tool_timeout", "deadline"]))
+        self.assertEqual(result["used"], {"rounds": 1, "calls": 1, "credits": 5})
+        self.assertEqual(fixtures.started, ["r1-north"])
+        south = result["history"][0]["observations"][1]
+        self.assertEqual((south["call_id"], south["ok"], south["retryable"]), ("r1-south", False, False))
+
+    async def test_history_keeps_the_runtimes_own_copy_of_the_admitted_batch(self):
+        decisions = []
+
+        async def model(history):
+            if decisions:  # edit the batch it returned last round, after the runtime admitted it
+                decisions[-1]["calls"][0]["arguments"]["partition"] = "south"
+                decisions[-1]["calls"].append(call("forged", partition="south"))
+            decision = await fake_model(history)
+            decisions.append(decision)
+            return decision
+
+        result = await run_agent(model, limits=ROOMY)
+        self.assertEqual(result["status"], "completed")
+        self.assertEqual(result["history"][0]["calls"], [call("r1-north", partition="north"), call("r1-south", partition="south")])
 
     async def test_the_deadline_is_checked_before_a_fatal_observation_of_the_same_round(self):
         fixtures = Fixtures(failures={"north": ["timeout"], "south": ["permission"]})
@@ -686,6 +783,33 @@ class RunAgentTests(RuntimeTestCase):
         with self.assertRaises(ValueError) as raised:
             await run_agent(limits={"rounds": 6})
         self.assertEqual(str(raised.exception), "limits must be a Limits")
+
+    async def test_a_registry_the_runtime_cannot_honour_is_refused_before_the_model_is_asked(self):
+        read = TOOLS["read_partition"]
+        cases = [
+            ({"read_partition": dataclasses.replace(read, cost=None)}, "read_partition: cost must be an int >= 0"),
+            ({"read_partition": dataclasses.replace(read, cost=float("nan"))}, "read_partition: cost must be an int >= 0"),
+            ({"read_partition": dataclasses.replace(read, cost=-100)}, "read_partition: cost must be an int >= 0"),
+            ({"read_partition": dataclasses.replace(read, cost=True)}, "read_partition: cost must be an int >= 0"),
+            ({"read_partition": (2, True, True)}, "read_partition: not a ToolSpec"),
+            ({"read_partition": dataclasses.replace(read, read_only=1)}, "read_partition: read_only and parallel_safe must be bools"),
+            ({"read_partition": dataclasses.replace(read, parallel_safe=None)},
+             "read_partition: read_only and parallel_safe must be bools"),
+            ({"read_partition": dataclasses.replace(read, validate="yes")}, "read_partition: validate must be a function or None"),
+            ({1: read}, "registry: tool names must be strings"),
+            ([("read_partition", read)], "registry must be a dict of ToolSpec"),
+        ]
+        for registry, message in cases:
+            with self.subTest(message=message):
+                asked = []
+
+                async def model(history):
+                    asked.append(history)
+                    return await fake_model(history)
+
+                with self.assertRaises(ValueError) as raised:
+                    await run_agent(model, registry=registry, limits=ROOMY)
+                self.assertEqual((str(raised.exception), asked), (message, []))
 
     async def test_every_stop_is_traced_once_with_its_status(self):
         result = await run_agent(fixtures=Fixtures(failures={"north": ["bug"]}), limits=ROOMY)
@@ -956,9 +1080,40 @@ ATLAS_EXPECTED = {  # name: (rounds, calls, credits, observation errors in order
 }
 
 
+# What `python3 agent_loop.py scenarios` prints, written out (the README shows the same table).
+ATLAS_TABLE = """\
+scenario           status             rounds calls credits  what happened
+completed          completed               3     3      17  both reads in one parallel batch, then the plan; the answer passed the final check
+round_limit        round_limit             2     3      14  two rounds read and planned; no round was left for the answer
+call_limit         call_limit              1     0       3  the first batch holds two reads but one call was allowed: nothing ran
+credit_limit       credit_limit            2     3      14  the plan was computed, then 14 + 3 credits for the answer passed 16
+deadline           deadline                1     2       7  both reads hung; the 0.3 s run deadline cut them off (tool_timeout) and ended the run
+cancelled          cancelled               1     2       7  the cancel event was set while both reads ran; both were cancelled and kept as observations
+model_timeout      model_timeout           1     0       3  the model did not decide within 0.05 s
+model_exception    model_exception         1     0       3  the model raised; its message is not kept
+invalid_decision   invalid_decision        1     0       3  the model returned text instead of a decision
+invalid_final      invalid_final           1     0       3  a correct answer guessed before any evidence was read
+invalid_batch      invalid_batch           1     0       3  an empty batch of calls
+invalid_call       invalid_call            1     0       3  a call that is a string, not a dict
+invalid_call_id    invalid_call_id         1     0       3  an empty call id
+duplicate_call_id  duplicate_call_id       1     0       3  two calls with the id 'a' in one batch: nothing ran
+unknown_tool       unknown_tool            2     2      10  the injected note asked for place_order; text in data grants no tool
+permission_denied  permission_denied       1     1       5  north refused permission; in a serial batch south was then batch_aborted
+invalid_arguments  invalid_arguments       1     0       3  a path-like partition, '../north'
+repeat_limit       repeat_limit            3     3      15  north failed temporarily twice; a third identical read was refused
+tool_exception     tool_exception          1     2       7  north had an internal fault; its message is not kept
+"""
+STATUSES = [
+    "completed", "round_limit", "call_limit", "credit_limit", "deadline", "cancelled", "model_timeout",
+    "model_exception", "invalid_decision", "invalid_final", "invalid_batch", "invalid_call", "invalid_call_id",
+    "duplicate_call_id", "unknown_tool", "permission_denied", "invalid_arguments", "repeat_limit", "tool_exception",
+]
+
+
 class AtlasTests(RuntimeTestCase):
-    def test_every_stop_status_has_a_scenario_of_that_name(self):
-        self.assertEqual([name for name, _, _ in agent_loop.ATLAS], list(STOP_STATUSES))
+    def test_every_stop_status_of_the_contract_has_a_scenario_of_that_name(self):
+        self.assertEqual(list(STOP_STATUSES), STATUSES)
+        self.assertEqual([name for name, _, _ in agent_loop.ATLAS], STATUSES)
 
     async def test_each_scenario_stops_with_its_status_budget_and_errors(self):
         for name, (rounds, calls_used, credits, errors_seen) in ATLAS_EXPECTED.items():
@@ -973,22 +1128,25 @@ class AtlasTests(RuntimeTestCase):
 
     def test_the_atlas_covers_the_observation_only_errors(self):
         seen = {error for *_, errors_seen in ATLAS_EXPECTED.values() for error in errors_seen}
-        self.assertLessEqual(set(agent_loop.OBSERVATION_ERRORS), seen)
+        self.assertLessEqual({"temporary", "tool_timeout", "batch_aborted", "cancelled"}, seen)
 
-    def test_the_table_is_the_same_on_every_run_and_the_json_matches_it(self):
-        first, second, as_json = run_command("scenarios"), run_command("scenarios"), run_command("scenarios", "--json")
-        self.assertEqual((first.returncode, first.stderr, as_json.returncode), (0, "", 0))
-        self.assertEqual(first.stdout, second.stdout)
-        rows = json.loads(as_json.stdout)
-        self.assertEqual([list(row) for row in rows], [["name", "status", "used", "errors", "why"]] * len(rows))
-        lines = first.stdout.splitlines()
-        self.assertEqual(lines[0].split()[:5], ["scenario", "status", "rounds", "calls", "credits"])
-        self.assertEqual(len(lines), len(rows) + 1)
-        for line, row in zip(lines[1:], rows):
+    def test_the_table_is_the_one_written_out_here_and_in_the_readme(self):
+        first, second = run_command("scenarios"), run_command("scenarios")
+        self.assertEqual((first.returncode, first.stderr), (0, ""))
+        self.assertEqual((first.stdout, second.stdout), (ATLAS_TABLE, ATLAS_TABLE))
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as file:
+            self.assertIn("```\n" + ATLAS_TABLE + "```", file.read())
+
+    def test_the_json_table_holds_the_same_rows_and_each_runs_errors(self):
+        done = run_command("scenarios", "--json")
+        self.assertEqual((done.returncode, done.stderr), (0, ""))
+        rows = json.loads(done.stdout)
+        whys = [line.split(maxsplit=5)[5] for line in ATLAS_TABLE.splitlines()[1:]]
+        self.assertEqual([(row["name"], row["why"]) for row in rows], list(zip(STATUSES, whys)))
+        for row in rows:
             used = row["used"]
-            self.assertEqual(line.split(maxsplit=5), [row["name"], row["status"], str(used["rounds"]),
-                                                      str(used["calls"]), str(used["credits"]), row["why"]])
-            self.assertEqual(ATLAS_EXPECTED[row["name"]], (used["rounds"], used["calls"], used["credits"], row["errors"]))
+            self.assertEqual((row["status"], used["rounds"], used["calls"], used["credits"], row["errors"]),
+                             (row["name"], *ATLAS_EXPECTED[row["name"]]))
 
     def test_one_scenario_prints_its_full_run_like_the_demo(self):
         done = run_command("scenarios", "cancelled")
@@ -1225,6 +1383,25 @@ class OwnPrototypeTests(RuntimeTestCase):
         self.assertTrue(await tools.wait_abandoned(30))
         self.assertNotIn("late", repr(result))
 
+    async def test_a_call_given_up_before_its_thread_started_never_runs(self):
+        held, ran = [], []
+
+        class Held(FunctionTools):
+            def _start(self, work):
+                held.append(work)  # no thread has picked the call up yet
+
+        def tool(**args):
+            ran.append(args)
+            return {}
+
+        tools = Held({"f": tool})
+        registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
+        result = await run_agent(scripted(calls(call("a", "f"))), fixtures=tools, registry=registry,
+                                 limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.05))
+        self.assertEqual((errors(result), result["used"]["calls"]), (["tool_timeout"], 1))
+        held[0]()  # the thread starts at last, after the runtime gave the call up
+        self.assertEqual((ran, tools.abandoned), ([], []))
+
     def test_toolspec_keeps_its_three_field_form(self):
         spec = ToolSpec(2, True, True)
         self.assertIsNone(spec.validate)
@@ -1255,6 +1432,25 @@ class BenchTests(unittest.TestCase):
             self.assertTrue(all(math.isfinite(value) and value > 0 for value in spread.values()), spread)
             self.assertLessEqual(spread["min"], spread["median"])
             self.assertLessEqual(spread["median"], spread["max"])
+        # Physical floors, not speeds: k waits of 50 ms one after another take at least k x 50 ms; side by side, 50 ms.
+        for k, modes in figures["parallel_efficiency"].items():
+            with self.subTest(k=k):
+                self.assertGreaterEqual(modes["serial"]["min"], int(k) * 0.999)
+                self.assertGreaterEqual(modes["parallel"]["min"], 0.999)
+
+    def test_growth_is_measured_beside_a_real_deepcopy_of_the_same_history(self):
+        copied = []
+        real_deepcopy = copy.deepcopy
+
+        def spy(value, *args):
+            if type(value) is list and value and all(type(record) is dict and "round" in record for record in value):
+                copied.append(len(value))
+            return real_deepcopy(value, *args)
+
+        with unittest.mock.patch.object(agent_loop.copy, "deepcopy", spy):
+            figures = asyncio.run(agent_loop._growth((10,), samples=3))
+        self.assertEqual(copied, [10, 10, 10])
+        self.assertEqual(sorted(figures["10"]), ["deepcopy_ms", "round_ms"])
 
 
 # PART 9: the provider bridge, with literal replies shaped like the providers' documented ones
@@ -1307,6 +1503,27 @@ def schema_accepts(schema, value):
     if kind == "string" and not isinstance(value, str):
         return False
     return "enum" not in schema or value in schema["enum"]
+
+
+AMOUNT_SCHEMA = {"type": "integer", "minimum": 0, "maximum": 100000}
+# The inventory tools as the model is offered them, written out here rather than read from the module.
+INVENTORY_DECLARATIONS = {
+    "read_partition": {
+        "description": "Read one inventory partition: each row's sku, stock, target and unit price in cents.",
+        "parameters": {"type": "object", "properties": {"partition": {"type": "string", "enum": ["north", "south"]}},
+                       "required": ["partition"], "additionalProperties": False},
+    },
+    "compute_plan": {
+        "description": "Compute the restock plan (target minus stock, in integer cents) for 1 to 4 rows.",
+        "parameters": {"type": "object", "properties": {"rows": {
+            "type": "array", "minItems": 1, "maxItems": 4, "items": {
+                "type": "object",
+                "properties": {"sku": {"type": "string", "enum": ["CUP", "PEN", "BAG", "BOOK"]},
+                               "stock": AMOUNT_SCHEMA, "target": AMOUNT_SCHEMA, "unit_cents": AMOUNT_SCHEMA},
+                "required": ["sku", "stock", "target", "unit_cents"], "additionalProperties": False}}},
+            "required": ["rows"], "additionalProperties": False},
+    },
+}
 
 
 class Recorder:
@@ -1364,15 +1581,67 @@ class ProviderBridgeTests(RuntimeTestCase):
                 self.assertTrue(schema_accepts(plan, args))
                 self.assertFalse(valid_args("compute_plan", args))
 
-    def test_tools_lists_have_each_providers_shape(self):
-        responses, chat = agent_loop.responses_tools(), agent_loop.chat_tools()
-        self.assertEqual([sorted(tool) for tool in responses], [["description", "name", "parameters", "strict", "type"]] * 2)
-        self.assertEqual([(tool["type"], tool["name"], tool["strict"]) for tool in responses],
-                         [("function", "read_partition", True), ("function", "compute_plan", True)])
-        self.assertEqual([(tool["type"], sorted(tool["function"])) for tool in chat],
-                         [("function", ["description", "name", "parameters", "strict"])] * 2)
-        responses[0]["parameters"]["properties"].clear()  # a caller's edit does not reach the schemas
-        self.assertIn("partition", agent_loop.TOOL_SCHEMAS["read_partition"]["parameters"]["properties"])
+    def test_the_tools_offered_are_exactly_the_inventorys_strict_declarations(self):
+        responses = [{"type": "function", "name": name, "description": tool["description"],
+                      "parameters": tool["parameters"], "strict": True} for name, tool in INVENTORY_DECLARATIONS.items()]
+        chat = [{"type": "function", "function": {"name": name, "description": tool["description"],
+                                                  "parameters": tool["parameters"], "strict": True}}
+                for name, tool in INVENTORY_DECLARATIONS.items()]
+        self.assertEqual(agent_loop.responses_tools(), responses)
+        self.assertEqual(agent_loop.chat_tools(), chat)
+        offered = agent_loop.responses_tools()
+        offered[0]["parameters"]["properties"].clear()  # a caller's edit does not reach the declarations
+        self.assertEqual(agent_loop.responses_tools(), responses)
+
+    async def test_an_sdk_reply_is_read_through_its_model_dump(self):
+        class SdkReply:
+            """What the official SDKs return: an object whose model_dump() is the documented dict."""
+
+            def __init__(self, reply):
+                self.reply = reply
+
+            def model_dump(self):
+                return copy.deepcopy(self.reply)
+
+        for make_model, replies in (
+            (agent_loop.responses_model, [responses_reply(fc("n", "read_partition", {"partition": "north"}),
+                                                          fc("s", "read_partition", {"partition": "south"})),
+                                          responses_reply(fc("p", "compute_plan", {"rows": ALL_ROWS})),
+                                          responses_reply(message(output_text(json.dumps(PLAN))))]),
+            (agent_loop.chat_model, [chat_reply(None, [tool_call("n", "read_partition", {"partition": "north"}),
+                                                       tool_call("s", "read_partition", {"partition": "south"})]),
+                                     chat_reply(None, [tool_call("p", "compute_plan", {"rows": ALL_ROWS})]),
+                                     chat_reply(json.dumps(PLAN))]),
+        ):
+            with self.subTest(bridge=make_model.__name__):
+                model = make_model(Recorder(*[SdkReply(reply) for reply in replies]), "task")
+                result = await run_agent(model, limits=ROOMY)
+                self.assertEqual((result["status"], result["used"]), ("completed", {"rounds": 3, "calls": 3, "credits": 17}))
+
+    def test_an_unknown_incomplete_reason_says_incomplete(self):
+        for reason in ("some_future_reason", None):
+            with self.subTest(reason=reason):
+                reply = responses_reply(message(output_text(json.dumps(PLAN))), status="incomplete", reason=reason)
+                self.assertEqual(agent_loop.from_responses(reply), {"kind": "incomplete"})
+
+    def test_the_chat_replay_is_the_documented_message_list(self):
+        north, south = call("n", partition="north"), call("s", partition="south")
+        history = [{"round": 1, "calls": [north, south], "observations": [
+            {**north, "ok": True, "data": {"rows": []}},
+            {**south, "ok": False, "error": "temporary", "retryable": True}]}]
+        self.assertEqual(agent_loop.chat_messages(history), [
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "n", "type": "function", "function": {"name": "read_partition", "arguments": '{"partition": "north"}'}},
+                {"id": "s", "type": "function", "function": {"name": "read_partition", "arguments": '{"partition": "south"}'}}]},
+            {"role": "tool", "tool_call_id": "n", "content": '{"ok": true, "data": {"rows": []}}'},
+            {"role": "tool", "tool_call_id": "s", "content": '{"ok": false, "error": "temporary", "retryable": true}'},
+        ])
+        self.assertEqual(agent_loop.responses_input(history), [
+            {"type": "function_call", "call_id": "n", "name": "read_partition", "arguments": '{"partition": "north"}'},
+            {"type": "function_call", "call_id": "s", "name": "read_partition", "arguments": '{"partition": "south"}'},
+            {"type": "function_call_output", "call_id": "n", "output": '{"ok": true, "data": {"rows": []}}'},
+            {"type": "function_call_output", "call_id": "s", "output": '{"ok": false, "error": "temporary", "retryable": true}'},
+        ])
 
     def test_the_call_id_is_responses_call_id_and_chats_tool_call_id(self):
         decision = agent_loop.from_responses(responses_reply(fc("call_7", "read_partition", {"partition": "north"}, item_id="fc_99")))
@@ -1714,6 +1983,49 @@ def random_failures(rng):
     return {key: [rng.choice(faults) for _ in range(rng.randint(0, 2))] for key in ("north", "south", "compute_plan")}
 
 
+def nested(levels):
+    """levels lists, each inside the next: nested(1) is [], nested(2) is [[]]."""
+    value = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+class DataLimitTests(RuntimeTestCase):
+    """What enters history must be plain JSON data: nested at most 32 deep, integers within signed 64 bits."""
+
+    CASES = [  # (value, admitted)
+        (nested(32), True), (nested(33), False), ({"a": nested(31)}, True), ({"a": nested(32)}, False),
+        (2**63 - 1, True), (2**63, False), (-2**63, True), (-2**63 - 1, False), (2**64 - 1, False),
+    ]
+
+    async def test_a_tools_result_within_the_limits_is_delivered_and_beyond_them_refused(self):
+        class Returns(Fixtures):
+            async def invoke(self, call):
+                await super().invoke(call)
+                return self.value
+
+        for value, admitted in self.CASES:
+            with self.subTest(value=repr(value)[:20], admitted=admitted):
+                fixtures = Returns(delays={})
+                fixtures.value = value
+                result = await run_agent(scripted(calls(call("a", partition="north"))), fixtures=fixtures,
+                                         limits=dataclasses.replace(ROOMY, rounds=1))
+                obs = observations(result)[0]
+                self.assertEqual((obs["ok"], obs.get("error")), (True, None) if admitted else (False, "tool_exception"))
+
+    async def test_arguments_within_the_limits_reach_your_check_and_beyond_them_are_refused(self):
+        registry = {"echo": ToolSpec(1, True, True, validate=lambda args: True)}
+        cases = [({"x": value}, admitted) for value, admitted in self.CASES[4:]]  # the integers
+        cases += [({"x": nested(31)}, True), ({"x": nested(32)}, False)]  # the arguments object is a level too
+        for arguments, admitted in cases:
+            with self.subTest(arguments=repr(arguments)[:30], admitted=admitted):
+                model = scripted(calls({"call_id": "e", "name": "echo", "arguments": arguments}))
+                result = await run_agent(model, fixtures=FunctionTools({"echo": lambda **args: "ok"}), registry=registry,
+                                         limits=dataclasses.replace(ROOMY, rounds=1))
+                self.assertEqual(result["status"], "round_limit" if admitted else "invalid_arguments")
+
+
 class InvariantTests(RuntimeTestCase):
     def assertInvariants(self, result, limits, fixtures, seed, *, default_accept=True):
         where = f"seed {seed} (replay: AGENT_LOOP_SEED={seed})"
@@ -1822,7 +2134,6 @@ class InvariantTests(RuntimeTestCase):
         except asyncio.CancelledError:
             self.assertEqual(how, "task", where)
             self.assertFixturesClean(fixtures, where)  # every started tool was cancelled and awaited first
-            self.assertEqual(set(fixtures.cancelled) | set(fixtures.finished), set(fixtures.finished), where)
             return
         self.assertInvariants(result, limits, fixtures, seed)
         if how == "event" and fired and when != "timer":
@@ -1860,23 +2171,32 @@ class InvariantTests(RuntimeTestCase):
         self.assertNoTaskLeft()
 
     async def test_a_second_cancel_during_clean_up_still_waits_for_the_tools(self):
+        cleaning, release = [], asyncio.Event()
+
         class SlowToDie(Fixtures):
             async def invoke(self, call):
                 try:
                     return await super().invoke(call)
                 except asyncio.CancelledError:
-                    await asyncio.shield(asyncio.sleep(0.05))  # clean-up that takes a while
+                    cleaning.append(call["call_id"])
+                    await asyncio.shield(release.wait())  # clean-up that lasts until the test lets it end
                     raise
 
         serial = {**TOOLS, "read_partition": dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)}
         for registry, running in ((TOOLS, ["r1-north", "r1-south"]), (serial, ["r1-north"])):
             with self.subTest(parallel=registry is TOOLS):
+                cleaning.clear()
+                release.clear()
                 fixtures = SlowToDie(delays={"north": 30, "south": 30})
                 run = asyncio.create_task(run_agent(fixtures=fixtures, registry=registry, limits=ROOMY))
                 await wait_until(lambda: fixtures.active == len(running))
                 run.cancel()
-                await asyncio.sleep(0.01)
-                run.cancel()  # arrives while the tools are still cleaning up
+                await wait_until(lambda: len(cleaning) == len(running))
+                run.cancel()  # arrives while every tool is still cleaning up
+                for _ in range(10):
+                    await asyncio.sleep(0)
+                self.assertFalse(run.done())  # still waiting for the tools
+                release.set()
                 with self.assertRaises(asyncio.CancelledError):
                     await run
                 self.assertEqual((fixtures.active, sorted(fixtures.finished)), (0, running))
@@ -1910,16 +2230,23 @@ class InvariantTests(RuntimeTestCase):
                 self.assertEqual((result["status"], result["answer"]), ("invalid_final", None))
 
     async def test_specific_hostile_decisions(self):
-        cases = [cyclic_decision(), DEEP, {"kind": "final", "answer": DEEP}, {"kind": "final", "answer": 10**5000},
-                 {"kind": "final", "answer": float("nan")}, {"kind": RaisingCopy(), "calls": []},
-                 {"kind": "calls", "calls": [RaisingCopy()]}, {RaisingEq(): "calls", "calls": []},
-                 {"kind": EqualToAll("calls"), "calls": [call("a", partition="north")]}, SneakyDict(kind="calls")]
-        for decision in cases:
-            with self.subTest(decision=type(decision).__name__):
+        cases = [  # (decision, status)
+            (cyclic_decision(), "invalid_call"), (DEEP, "invalid_decision"), ({"kind": "final", "answer": DEEP}, "invalid_final"),
+            ({"kind": "final", "answer": 10**5000}, "invalid_final"), ({"kind": "final", "answer": float("nan")}, "invalid_final"),
+            ({"kind": RaisingCopy(), "calls": []}, "invalid_decision"), ({"kind": "calls", "calls": [RaisingCopy()]}, "invalid_call"),
+            ({RaisingEq(): "calls", "calls": []}, "invalid_decision"),
+            ({"kind": EqualToAll("calls"), "calls": [call("a", partition="north")]}, "invalid_decision"),
+            (SneakyDict(kind="calls"), "invalid_decision"),
+        ]
+        for decision, status in cases:
+            async def model(history, decision=decision):
+                return decision  # handed over as is, never copied
+
+            with self.subTest(decision=type(decision).__name__, status=status):
                 fixtures = Fixtures(delays={})
-                result = await run_agent(scripted(decision), fixtures=fixtures, limits=ROOMY)
-                self.assertNotEqual(result["status"], "completed")
-                self.assertInvariants(result, ROOMY, fixtures, "specific")
+                result = await run_agent(model, fixtures=fixtures, accept=lambda answer, history: True, limits=ROOMY)
+                self.assertEqual((result["status"], result["used"]["calls"]), (status, 0))
+                self.assertInvariants(result, ROOMY, fixtures, "specific", default_accept=False)
 
 
 # The result-ownership experiment (result_ownership.py, verify_ownership.py, expected.json)
