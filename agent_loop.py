@@ -12,9 +12,11 @@ import concurrent.futures
 import copy
 import inspect
 import json
+import marshal
 import math
 import os
 import platform
+import re
 import statistics
 import time
 from collections import Counter
@@ -69,6 +71,11 @@ def _is_data(value, depth=0):
     return False
 
 
+def _copy(value):
+    """An independent copy of plain data at C speed: only for what _is_data has admitted (marshal keeps every type)."""
+    return marshal.loads(marshal.dumps(value))
+
+
 _ATOMS = frozenset({str, int, float, bool, type(None)})  # immutable: a copy may share them
 
 
@@ -120,6 +127,165 @@ def valid_args(name, args):
     return _has_keys(args, {"rows"}) and valid_rows(args["rows"])
 
 
+# A tool's arguments may be declared as JSON Schema (ToolSpec.parameters) and are then checked with the
+# module's exact types: "integer" is an int and never a bool, "number" an int or a finite float. The
+# annotations it ignores, as JSON Schema does; the keywords it honours are those of _SCHEMA_RULES
+# below; any other keyword is refused when the run starts, so nothing in a schema goes silently unchecked.
+SCHEMA_ANNOTATIONS = (
+    "title", "description", "default", "examples", "format", "deprecated", "readOnly", "writeOnly",
+    "$schema", "$id", "$comment",
+)
+_JSON_TYPES = {
+    "string": lambda value: type(value) is str,
+    "integer": lambda value: type(value) is int,
+    "number": lambda value: type(value) is int or type(value) is float and math.isfinite(value),
+    "boolean": lambda value: type(value) is bool,
+    "null": lambda value: value is None,
+    "array": lambda value: type(value) is list,
+    "object": lambda value: type(value) is dict,
+}
+_BOUNDS = (  # keyword, the value must not be ..., how the reason says it
+    ("minimum", lambda value, bound: value < bound, "at least"),
+    ("maximum", lambda value, bound: value > bound, "at most"),
+    ("exclusiveMinimum", lambda value, bound: value <= bound, "more than"),
+    ("exclusiveMaximum", lambda value, bound: value >= bound, "less than"),
+)
+
+
+def schema_error(schema, value, path=""):
+    """Return why value does not match the JSON Schema, as "rows[1].stock: expected integer", or None if it does."""
+    where = path or "arguments"
+    if type(schema) is bool:  # additionalProperties: false, or true
+        return None if schema else f"{where}: not allowed"
+    kinds = schema.get("type")
+    if kinds is not None:
+        kinds = [kinds] if type(kinds) is str else kinds
+        if not any(_JSON_TYPES[kind](value) for kind in kinds):
+            return f"{where}: expected {' or '.join(kinds)}"
+    # canonical tells True from 1 and 4.0 from 4, where == does not.
+    if "enum" in schema and canonical(value) not in {canonical(option) for option in schema["enum"]}:
+        return f"{where}: not one of the allowed values"
+    if "const" in schema and canonical(value) != canonical(schema["const"]):
+        return f"{where}: not the allowed value"
+    if "anyOf" in schema and all(schema_error(option, value, path) for option in schema["anyOf"]):
+        return f"{where}: matches none of anyOf"
+    if type(value) in (int, float):
+        for keyword, breaks, says in _BOUNDS:
+            if keyword in schema and breaks(value, schema[keyword]):
+                return f"{where}: {says} {schema[keyword]}"
+    if type(value) is str:
+        if len(value) < schema.get("minLength", 0):
+            return f"{where}: at least {schema['minLength']} characters"
+        if "maxLength" in schema and len(value) > schema["maxLength"]:
+            return f"{where}: at most {schema['maxLength']} characters"
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            return f"{where}: does not match the pattern"
+    if type(value) is list:
+        if len(value) < schema.get("minItems", 0):
+            return f"{where}: at least {schema['minItems']} items"
+        if "maxItems" in schema and len(value) > schema["maxItems"]:
+            return f"{where}: at most {schema['maxItems']} items"
+        for index, item in enumerate(value):
+            reason = "items" in schema and schema_error(schema["items"], item, f"{path}[{index}]")
+            if reason:
+                return reason
+    if type(value) is dict:
+        for key in schema.get("required", ()):
+            if key not in value:
+                return f"{where}: missing {key}"
+        properties, others = schema.get("properties", {}), schema.get("additionalProperties", True)
+        for key, item in value.items():
+            reason = schema_error(properties.get(key, others), item, _member(path, key))
+            if reason:
+                return reason
+    return None
+
+
+def _member(path, key):
+    """path.key for a reason; a key from outside shows only if it is a short identifier."""
+    shown = key if key.isidentifier() and len(key) <= 40 else "?"
+    return f"{path}.{shown}" if path else shown
+
+
+def _count(value):
+    return type(value) is int and value >= 0
+
+
+def _type_names(value):
+    names = [value] if type(value) is str else value
+    return type(names) is list and len(names) > 0 and all(type(name) is str and name in _JSON_TYPES for name in names)
+
+
+def _regex(value):
+    try:
+        re.compile(value)
+    except (TypeError, re.error):
+        return False
+    return True
+
+
+# What each supported keyword's value must be, for the check to honour it as JSON Schema means it.
+_SCHEMA_RULES = {
+    "type": (_type_names, "JSON type names"),
+    "properties": (lambda v: type(v) is dict, "a dict of schemas"),
+    "required": (lambda v: type(v) is list and all(type(key) is str for key in v), "a list of names"),
+    "additionalProperties": (lambda v: type(v) in (bool, dict), "false or a schema"),
+    "items": (lambda v: type(v) is dict, "a schema"),
+    "enum": (lambda v: type(v) is list and len(v) > 0, "a list of values"),
+    "const": (lambda v: True, "a value"),
+    "anyOf": (lambda v: type(v) is list and len(v) > 0, "a list of schemas"),
+    **{keyword: (_count, "an int >= 0") for keyword in ("minItems", "maxItems", "minLength", "maxLength")},
+    **{keyword: (lambda v: type(v) in (int, float), "a number") for keyword, _, _ in _BOUNDS},
+    "pattern": (_regex, "a regular expression"),
+}
+
+
+def _subschemas(keyword, value, where):
+    """The schemas inside a keyword's value, each with where it sits."""
+    if keyword == "properties":
+        return [(f"{where}.{key}", item) for key, item in value.items()]
+    if keyword == "anyOf":
+        return [(f"{where}[{index}]", item) for index, item in enumerate(value)]
+    if keyword in ("items", "additionalProperties") and type(value) is dict:
+        return [(where, value)]
+    return []
+
+
+def _schema_problem(schema, at="parameters"):
+    """Why the strict check cannot honour schema (a keyword it does not know, a malformed value), or None."""
+    if type(schema) is not dict:
+        return f"{at}: must be a schema"
+    for keyword, value in schema.items():
+        if keyword in SCHEMA_ANNOTATIONS:
+            continue
+        if keyword not in _SCHEMA_RULES:
+            return f"{at}: unsupported keyword {keyword}"
+        well_formed, expected = _SCHEMA_RULES[keyword]
+        if not well_formed(value):
+            return f"{at}.{keyword}: must be {expected}"
+        for where, child in _subschemas(keyword, value, f"{at}.{keyword}"):
+            problem = _schema_problem(child, where)
+            if problem:
+                return problem
+    return None
+
+
+SCHEMA_KEYWORDS = tuple(_SCHEMA_RULES)
+
+
+def _strict(schema):
+    """True if the providers' strict mode takes schema as it is: every object closed, every property required."""
+    if type(schema) is not dict:
+        return True
+    properties = schema.get("properties")
+    kinds = schema.get("type")
+    if properties is not None or kinds == "object" or type(kinds) is list and "object" in kinds:
+        if schema.get("additionalProperties") is not False or set(schema.get("required", ())) != set(properties or ()):
+            return False
+    children = [*(properties or {}).values(), schema.get("items"), *schema.get("anyOf", ())]
+    return all(_strict(child) for child in children)
+
+
 def make_plan(rows):
     """Return the restock plan for rows: what to order to reach each target, in integer cents."""
     items = []
@@ -132,17 +298,54 @@ def make_plan(rows):
 
 @dataclass(frozen=True)
 class ToolSpec:
-    """What the runtime allows a tool: its credit cost, whether it only reads, whether it may run beside others."""
+    """One tool's declaration: its cost, whether it only reads, whether it may run beside others, how to check its
+    arguments, and what the model is told about it."""
 
     cost: int
     read_only: bool
     parallel_safe: bool
-    validate: Callable[[dict], bool] | None = None  # your tool's own argument check; valid_args when None
+    validate: Callable[[dict], bool] | None = None  # your own check of the arguments, for what a schema cannot say
+    description: str = ""  # what the model is told the tool does
+    parameters: dict | None = None  # the JSON Schema of the arguments object, checked in preflight
 
 
+_AMOUNT = {"type": "integer", "minimum": 0, "maximum": MAX_AMOUNT}
+# The inventory tools. Their schemas say what a schema can; valid_args stays their authority for the
+# rest: no sku twice across rows (uniqueItems compares whole rows, and strict mode refuses it anyway).
 TOOLS = {
-    "read_partition": ToolSpec(2, True, True),
-    "compute_plan": ToolSpec(4, True, False),
+    "read_partition": ToolSpec(
+        2, True, True,
+        description="Read one inventory partition: each row's sku, stock, target and unit price in cents.",
+        parameters={
+            "type": "object",
+            "properties": {"partition": {"type": "string", "enum": list(DATA)}},
+            "required": ["partition"],
+            "additionalProperties": False,
+        },
+    ),
+    "compute_plan": ToolSpec(
+        4, True, False,
+        description="Compute the restock plan (target minus stock, in integer cents) for 1 to 4 rows.",
+        parameters={
+            "type": "object",
+            "properties": {
+                "rows": {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": 4,
+                    "items": {
+                        "type": "object",
+                        "properties": {"sku": {"type": "string", "enum": list(SKUS)},
+                                       "stock": _AMOUNT, "target": _AMOUNT, "unit_cents": _AMOUNT},
+                        "required": ["sku", "stock", "target", "unit_cents"],
+                        "additionalProperties": False,
+                    },
+                },
+            },
+            "required": ["rows"],
+            "additionalProperties": False,
+        },
+    ),
 }
 
 
@@ -167,7 +370,11 @@ class TemporaryError(Exception):
 
 
 class Stop(Exception):
-    """Ends the run (or, inside a batch, one call); str(error) is the stop status."""
+    """Ends the run (or, inside a batch, one call); str(error) is the stop status, and `why` says why in plain data."""
+
+    def __init__(self, status, **why):
+        super().__init__(status)
+        self.why = why  # e.g. call_id, name and reason: "rows[1].stock: expected integer"
 
 
 # Every way a run can end, and the errors that only ever appear on one call's observation.
@@ -324,8 +531,9 @@ def preflight(batch, used_ids, attempts, registry, limits):
             raise Stop("unknown_tool")
         if registry[name].read_only is not True:
             raise Stop("permission_denied")
-        if not _valid_for(registry[name], name, args):
-            raise Stop("invalid_arguments")
+        reason = _argument_error(name, registry[name], args)
+        if reason:
+            raise Stop("invalid_arguments", call_id=cid, name=name, reason=reason)
         signature = canonical([name, args])  # a fresh call id does not make a new attempt
         signatures[signature] += 1
         if attempts.get(signature, 0) + signatures[signature] > limits.attempts:
@@ -334,11 +542,19 @@ def preflight(batch, used_ids, attempts, registry, limits):
     return ids, signatures
 
 
-def _valid_for(spec, name, args):
-    """The tool's own validate when it has one, else valid_args; own checks only ever see JSON objects."""
-    if spec.validate is None:
-        return valid_args(name, args)
-    return type(args) is dict and _is_data(args) and _passes(spec.validate, args)
+def _argument_error(name, spec, args):
+    """Why the tool refuses these arguments (the schema's reason, or the check that refused them), or None."""
+    if type(args) is not dict or not _is_data(args):
+        return "arguments: not a JSON object"
+    if spec.parameters is not None:
+        reason = schema_error(spec.parameters, args)
+        if reason:
+            return reason
+    if spec.validate is not None:  # your own check, for what a schema cannot say; it gets a copy to keep
+        return None if _passes(spec.validate, _copy(args)) else "refused by validate"
+    if name in TOOLS:  # the inventory's tools: valid_args knows what their schemas cannot say
+        return None if valid_args(name, args) else "refused by valid_args"
+    return None if spec.parameters is not None else "no check declared"
 
 
 def _passes(check, *args):
@@ -411,8 +627,24 @@ def _check_registry(registry):
             raise ValueError(f"{name}: cost must be an int >= 0")
         if type(spec.read_only) is not bool or type(spec.parallel_safe) is not bool:
             raise ValueError(f"{name}: read_only and parallel_safe must be bools")
-        if spec.validate is not None and not callable(spec.validate):
-            raise ValueError(f"{name}: validate must be a function or None")
+        if spec.validate is not None and (not callable(spec.validate) or _is_async(spec.validate)):
+            raise ValueError(f"{name}: validate must be a plain function or None")
+        if type(spec.description) is not str:
+            raise ValueError(f"{name}: description must be a string")
+        if spec.parameters is None:
+            if spec.validate is None and name not in TOOLS:
+                raise ValueError(f"{name}: declare its parameters, a validate function, or both")
+            continue
+        if not _is_data(spec.parameters) or type(spec.parameters) is not dict or spec.parameters.get("type") != "object":
+            raise ValueError(f"{name}: parameters must be a JSON Schema of type object")
+        problem = _schema_problem(spec.parameters)
+        if problem:
+            raise ValueError(f"{name}: {problem}")
+
+
+def _is_async(function):
+    """True if calling function gives a coroutine: an async def, a partial of one, an object with async __call__."""
+    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None))
 
 
 def _finite(number):
@@ -963,46 +1195,28 @@ async def bench(quick=False, as_json=False):
               f"   ratio {ratio:.2f}")
 
 
-# PART 9: connect a real model: the OpenAI Responses and Chat Completions wire formats
+# PART 9: connect a real model: the OpenAI Responses, OpenAI Chat Completions and Anthropic Messages formats
+#
+# Each bridge is four small pure functions in the same order: the tools a request offers (from the
+# registry, the same declarations preflight checks against), a reply turned into a local decision,
+# history replayed as the provider's turns, and a model for run_agent built from them. Replies are
+# untrusted data: every field is read by its exact type, and nothing in a reply can make them raise.
 
-_AMOUNT = {"type": "integer", "minimum": 0, "maximum": MAX_AMOUNT}
-# The inventory tools' arguments as strict-mode JSON Schema: every object closed, every property
-# required. valid_args stays the authority, for what no schema here can say: that no sku appears
-# twice across rows (uniqueItems compares whole rows, and strict mode does not accept it), and
-# that a bool is not an integer (checked on Python values, isinstance(True, int) is true).
-TOOL_SCHEMAS = {
-    "read_partition": {
-        "description": "Read one inventory partition: each row's sku, stock, target and unit price in cents.",
-        "parameters": {
-            "type": "object",
-            "properties": {"partition": {"type": "string", "enum": list(DATA)}},
-            "required": ["partition"],
-            "additionalProperties": False,
-        },
-    },
-    "compute_plan": {
-        "description": "Compute the restock plan (target minus stock, in integer cents) for 1 to 4 rows.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "rows": {
-                    "type": "array",
-                    "minItems": 1,
-                    "maxItems": 4,
-                    "items": {
-                        "type": "object",
-                        "properties": {"sku": {"type": "string", "enum": list(SKUS)},
-                                       "stock": _AMOUNT, "target": _AMOUNT, "unit_cents": _AMOUNT},
-                        "required": ["sku", "stock", "target", "unit_cents"],
-                        "additionalProperties": False,
-                    },
-                },
-            },
-            "required": ["rows"],
-            "additionalProperties": False,
-        },
-    },
-}
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the names all three providers accept
+
+
+def _declarations(registry):
+    """(name, description, parameters, strict) for each tool; ValueError for a tool that cannot be offered."""
+    _check_registry(registry)
+    declared = []
+    for name, spec in registry.items():
+        if spec.parameters is None:
+            raise ValueError(f"{name}: no parameters to offer the model")
+        if not _TOOL_NAME.fullmatch(name):
+            raise ValueError(f"{name}: a tool name must be 1 to 64 letters, digits, _ or -")
+        # Strict mode only where the providers' rules hold (every object closed, every property required).
+        declared.append((name, spec.description, _copy(spec.parameters), _strict(spec.parameters)))
+    return declared
 
 
 def _field(value, *path):
@@ -1017,6 +1231,18 @@ def _field(value, *path):
     return value
 
 
+def _text(value, *path):
+    """The string at path, or None."""
+    value = _field(value, *path)
+    return value if type(value) is str else None
+
+
+def _items(value, *path):
+    """The list at path, or an empty list."""
+    value = _field(value, *path)
+    return value if type(value) is list else []
+
+
 def _no_duplicate_keys(pairs):
     keys = [key for key, _ in pairs]
     if len(set(keys)) != len(keys):
@@ -1025,20 +1251,12 @@ def _no_duplicate_keys(pairs):
 
 
 def _arguments(text):
-    """The JSON object that arguments text encodes; anything else stays the raw text, which preflight refuses."""
+    """The JSON object that arguments text encodes; anything else stays as it came, for preflight to refuse."""
     try:
         value = json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except (TypeError, ValueError, RecursionError):
         return text
     return value if type(value) is dict else text
-
-
-def _final(text):
-    """A final answer from reply text: parsed as JSON when it is JSON, else the text, for the final check to judge."""
-    try:
-        return json.loads(text)
-    except (TypeError, ValueError, RecursionError):
-        return text
 
 
 def _decide(calls, text, refused):
@@ -1047,9 +1265,12 @@ def _decide(calls, text, refused):
         return {"kind": refused}  # not "calls" or "final": the runtime stops with invalid_decision
     if calls:
         return {"kind": "calls", "calls": calls}
-    if type(text) is not str or not text.strip():
+    if not text.strip():
         return {"kind": "empty"}
-    return {"kind": "final", "answer": _final(text)}
+    try:  # parsed as JSON when it is JSON; the final check judges it either way
+        return {"kind": "final", "answer": json.loads(text)}
+    except (ValueError, RecursionError):
+        return {"kind": "final", "answer": text}
 
 
 def _output(obs):
@@ -1061,22 +1282,45 @@ def _output(obs):
     return json.dumps(result, ensure_ascii=False)
 
 
+def _encoded(arguments):
+    return json.dumps(arguments, ensure_ascii=False)
+
+
 async def _ask(create, request):
     """create(**request), awaited if it is async; a plain (blocking) one runs in a thread, so time limits still hold."""
-    if inspect.iscoroutinefunction(create):
+    if _is_async(create):
         reply = await create(**request)
     else:
         reply = await asyncio.to_thread(create, **request)
         if inspect.isawaitable(reply):
             reply = await reply
-    # The OpenAI SDK returns pydantic objects; model_dump() gives the documented dict.
+    # The official SDKs return pydantic objects; model_dump() gives the documented dict.
     return reply.model_dump() if hasattr(reply, "model_dump") else reply
 
 
-def responses_tools():
-    """The `tools` list of a Responses API request: one strict function tool per inventory tool."""
-    return [{"type": "function", "name": name, "description": tool["description"],
-             "parameters": copy.deepcopy(tool["parameters"]), "strict": True} for name, tool in TOOL_SCHEMAS.items()]
+def _model(create, options, turns, replay, tools, decide):
+    """A model for run_agent: one request per decision, the task's turns then history replayed, the tools offered."""
+    key, first = turns
+
+    async def model(history):
+        request = {**options, key: [*_copy(first), *replay(history)], "tools": _copy(tools)}
+        return decide(await _ask(create, request))
+
+    return model
+
+
+def _task(task):
+    if type(task) is not str or not task:
+        raise ValueError("task must be a non-empty string")
+    return [{"role": "user", "content": task}]
+
+
+# The OpenAI Responses API
+
+def responses_tools(registry=TOOLS):
+    """The `tools` of a Responses API request: one function tool per registered tool."""
+    return [{"type": "function", "name": name, "description": description, "parameters": parameters, "strict": strict}
+            for name, description, parameters, strict in _declarations(registry)]
 
 
 _RESPONSES_CUT_OFF = {"max_output_tokens": "truncated", "content_filter": "content_filter"}
@@ -1085,22 +1329,22 @@ _RESPONSES_CUT_OFF = {"max_output_tokens": "truncated", "content_filter": "conte
 def from_responses(response):
     """Turn a Responses API reply (a dict) into a local decision."""
     status = _field(response, "status")
-    if status not in (None, "completed"):
-        reason = _field(response, "incomplete_details", "reason")
-        cut_off = _RESPONSES_CUT_OFF.get(reason, "incomplete") if status == "incomplete" else str(status)
-        return _decide([], None, cut_off)
+    if status is not None and status != "completed":
+        if status == "incomplete":
+            return {"kind": _RESPONSES_CUT_OFF.get(_text(response, "incomplete_details", "reason"), "incomplete")}
+        return {"kind": status if type(status) is str else "failed"}
     calls, texts, refused = [], [], None
-    for item in _field(response, "output") or []:
-        if _field(item, "type") == "function_call":
+    for item in _items(response, "output"):
+        if _text(item, "type") == "function_call":
             # call_id ties the output to the call; the item's own id ("fc_...") does not.
             calls.append({"call_id": _field(item, "call_id"), "name": _field(item, "name"),
                           "arguments": _arguments(_field(item, "arguments"))})
-        elif _field(item, "type") == "message":
-            for part in _field(item, "content") or []:
-                if _field(part, "type") == "refusal":
+        elif _text(item, "type") == "message":
+            for part in _items(item, "content"):
+                if _text(part, "type") == "refusal":
                     refused = "refusal"
-                elif _field(part, "type") == "output_text" and type(_field(part, "text")) is str:
-                    texts.append(part["text"])
+                elif _text(part, "type") == "output_text":
+                    texts.append(_text(part, "text") or "")
     return _decide(calls, "".join(texts), refused)
 
 
@@ -1110,26 +1354,24 @@ def responses_input(history):
     for record in history:
         for item in record["calls"]:
             items.append({"type": "function_call", "call_id": item["call_id"], "name": item["name"],
-                          "arguments": json.dumps(item["arguments"], ensure_ascii=False)})
+                          "arguments": _encoded(item["arguments"])})
         for obs in record["observations"]:  # one per call, in request order, batch_aborted ones included
             items.append({"type": "function_call_output", "call_id": obs["call_id"], "output": _output(obs)})
     return items
 
 
-def responses_model(create, task, **options):
+def responses_model(create, task, registry=TOOLS, **options):
     """A model for run_agent that asks a Responses API create() for every decision; options go into every request."""
-    async def model(history):
-        turns = [{"role": "user", "content": task}, *responses_input(history)]
-        request = {**options, "input": turns, "tools": responses_tools()}
-        return from_responses(await _ask(create, request))
-    return model
+    return _model(create, options, ("input", _task(task)), responses_input, responses_tools(registry), from_responses)
 
 
-def chat_tools():
-    """The `tools` list of a Chat Completions request: one strict function per inventory tool."""
-    return [{"type": "function", "function": {"name": name, "description": tool["description"],
-                                              "parameters": copy.deepcopy(tool["parameters"]), "strict": True}}
-            for name, tool in TOOL_SCHEMAS.items()]
+# OpenAI Chat Completions (also what vLLM, llama.cpp, Ollama and others serve)
+
+def chat_tools(registry=TOOLS):
+    """The `tools` of a Chat Completions request: one function per registered tool."""
+    return [{"type": "function", "function": {"name": name, "description": description, "parameters": parameters,
+                                              "strict": strict}}
+            for name, description, parameters, strict in _declarations(registry)]
 
 
 _CHAT_CUT_OFF = {"length": "truncated", "content_filter": "content_filter"}
@@ -1139,19 +1381,21 @@ def from_chat(completion):
     """Turn a Chat Completions reply (a dict) into a local decision: by the calls present, not by finish_reason."""
     choice = _field(completion, "choices", 0)
     message = _field(choice, "message")
-    refused = _CHAT_CUT_OFF.get(_field(choice, "finish_reason")) or ("refusal" if _field(message, "refusal") else None)
+    refused = _CHAT_CUT_OFF.get(_text(choice, "finish_reason"))
+    if refused is None and _field(message, "refusal") is not None:
+        refused = "refusal"
     calls = [{"call_id": _field(tool_call, "id"), "name": _field(tool_call, "function", "name"),
               "arguments": _arguments(_field(tool_call, "function", "arguments"))}
-             for tool_call in _field(message, "tool_calls") or []]
-    return _decide(calls, _field(message, "content"), refused)
+             for tool_call in _items(message, "tool_calls")]
+    return _decide(calls, _text(message, "content") or "", refused)
 
 
 def chat_messages(history):
     """The messages that replay history: per round, the assistant's tool_calls, then one tool message per call."""
     messages = []
     for record in history:
-        tool_calls = [{"id": item["call_id"], "type": "function", "function": {
-                           "name": item["name"], "arguments": json.dumps(item["arguments"], ensure_ascii=False)}}
+        tool_calls = [{"id": item["call_id"], "type": "function",
+                       "function": {"name": item["name"], "arguments": _encoded(item["arguments"])}}
                       for item in record["calls"]]
         messages.append({"role": "assistant", "content": None, "tool_calls": tool_calls})
         for obs in record["observations"]:
@@ -1159,13 +1403,60 @@ def chat_messages(history):
     return messages
 
 
-def chat_model(create, task, **options):
+def chat_model(create, task, registry=TOOLS, **options):
     """A model for run_agent that asks a Chat Completions create() for every decision; options go into every request."""
-    async def model(history):
-        turns = [{"role": "user", "content": task}, *chat_messages(history)]
-        request = {**options, "messages": turns, "tools": chat_tools()}
-        return from_chat(await _ask(create, request))
-    return model
+    return _model(create, options, ("messages", _task(task)), chat_messages, chat_tools(registry), from_chat)
+
+
+# Anthropic Messages
+
+def messages_tools(registry=TOOLS):
+    """The `tools` of a Messages API request: name, description and input_schema per registered tool."""
+    return [{"name": name, "description": description, "input_schema": parameters}
+            for name, description, parameters, _ in _declarations(registry)]
+
+
+# A refusal, a reply cut off by its token limit or the context window, and a paused turn never answer.
+_MESSAGES_CUT_OFF = {"refusal": "refusal", "max_tokens": "truncated", "model_context_window_exceeded": "truncated",
+                     "pause_turn": "paused"}
+
+
+def from_messages(message):
+    """Turn a Messages API reply (a dict) into a local decision: tool_use blocks are calls, text alone the answer."""
+    calls, texts = [], []
+    for block in _items(message, "content"):
+        if _text(block, "type") == "tool_use":
+            # input is already an object; anything else stays as it came, for preflight to refuse.
+            calls.append({"call_id": _field(block, "id"), "name": _field(block, "name"), "arguments": _field(block, "input")})
+        elif _text(block, "type") == "text":
+            texts.append(_text(block, "text") or "")
+    return _decide(calls, "".join(texts), _MESSAGES_CUT_OFF.get(_text(message, "stop_reason")))
+
+
+def messages_input(history):
+    """The messages that replay history: per round, the assistant's tool_use blocks, then one user message with
+    every tool_result, in request order, so that the roles alternate."""
+    messages = []
+    for record in history:
+        messages.append({"role": "assistant", "content": [
+            {"type": "tool_use", "id": item["call_id"], "name": item["name"], "input": item["arguments"]}
+            for item in record["calls"]]})
+        results = []
+        for obs in record["observations"]:
+            result = {"type": "tool_result", "tool_use_id": obs["call_id"], "content": _output(obs)}
+            if not obs["ok"]:
+                result["is_error"] = True
+            results.append(result)
+        messages.append({"role": "user", "content": results})
+    return messages
+
+
+def messages_model(create, task, registry=TOOLS, **options):
+    """A model for run_agent that asks a Messages API create() for every decision; options (max_tokens is required
+    by the API) go into every request."""
+    if "max_tokens" not in options:
+        raise ValueError("messages_model needs max_tokens: the Messages API requires it")
+    return _model(create, options, ("messages", _task(task)), messages_input, messages_tools(registry), from_messages)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@
 import asyncio
 import copy
 import dataclasses
+import functools
+import http.server
 import json
 import math
 import os
@@ -160,9 +162,13 @@ class SchemaTests(unittest.TestCase):
         self.assertEqual(make_plan([ALL_ROWS[1]]), {"snapshot": SNAPSHOT, "items": [], "total_cents": 0})
 
     def test_registry_and_limits_have_the_contracts_values(self):
-        self.assertEqual([f.name for f in dataclasses.fields(ToolSpec)][:3], ["cost", "read_only", "parallel_safe"])
-        self.assertEqual(TOOLS, {"read_partition": ToolSpec(2, True, True), "compute_plan": ToolSpec(4, True, False)})
-        self.assertEqual(dataclasses.replace(TOOLS["read_partition"], parallel_safe=False), ToolSpec(2, True, False))
+        self.assertEqual([f.name for f in dataclasses.fields(ToolSpec)],
+                         ["cost", "read_only", "parallel_safe", "validate", "description", "parameters"])
+        self.assertEqual({name: (spec.cost, spec.read_only, spec.parallel_safe, spec.validate) for name, spec in TOOLS.items()},
+                         {"read_partition": (2, True, True, None), "compute_plan": (4, True, False, None)})
+        serial = dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)
+        self.assertEqual((serial.cost, serial.read_only, serial.parallel_safe, serial.parameters),
+                         (2, True, False, TOOLS["read_partition"].parameters))
         self.assertEqual(dataclasses.astuple(Limits()), (6, 5, 30, 2, 0.2, 0.2, 2.0))
         self.assertEqual(MODEL_COST, 3)
         with self.assertRaises(dataclasses.FrozenInstanceError):  # a registry entry cannot be changed in place
@@ -309,6 +315,128 @@ class PreflightTests(unittest.TestCase):
     def test_a_tool_not_read_only_is_refused(self):
         registry = {**TOOLS, "place_order": ToolSpec(1, False, True)}
         self.assertStops("permission_denied", [call("a", "place_order", sku="CUP")], registry=registry)
+
+
+def schema(**keywords):
+    return {"type": "object", **keywords}
+
+
+class StrictSchemaTests(RuntimeTestCase):
+    """A tool's parameters, as JSON Schema, checked in preflight with the module's exact types."""
+
+    def test_each_supported_keyword_admits_and_refuses_with_its_reason(self):
+        rows = {"type": "array", "items": schema(properties={"stock": {"type": "integer"}}), "maxItems": 2}
+        cases = [  # (schema, value, reason or None)
+            ({"type": "integer"}, 3, None), ({"type": "integer"}, True, "arguments: expected integer"),
+            ({"type": "integer"}, 3.0, "arguments: expected integer"), ({"type": "number"}, 3.5, None),
+            ({"type": "number"}, 3, None), ({"type": "number"}, False, "arguments: expected number"),
+            ({"type": "boolean"}, 0, "arguments: expected boolean"), ({"type": "null"}, None, None),
+            ({"type": ["string", "null"]}, None, None), ({"type": ["string", "null"]}, 1, "arguments: expected string or null"),
+            ({"type": "object"}, [], "arguments: expected object"), ({"type": "array"}, {}, "arguments: expected array"),
+            ({"enum": [1, "a"]}, 1, None), ({"enum": [1, "a"]}, True, "arguments: not one of the allowed values"),
+            ({"enum": [4]}, 4.0, "arguments: not one of the allowed values"),
+            ({"const": "x"}, "x", None), ({"const": False}, 0, "arguments: not the allowed value"),
+            ({"anyOf": [{"type": "integer"}, {"type": "null"}]}, None, None),
+            ({"anyOf": [{"type": "integer"}, {"type": "null"}]}, "1", "arguments: matches none of anyOf"),
+            ({"minimum": 0}, -1, "arguments: at least 0"), ({"maximum": 9}, 10, "arguments: at most 9"),
+            ({"exclusiveMinimum": 0}, 0, "arguments: more than 0"), ({"exclusiveMaximum": 1.5}, 1.5, "arguments: less than 1.5"),
+            ({"minimum": 0}, "text", None),  # a bound applies to numbers only, as JSON Schema says
+            ({"minLength": 2}, "é", "arguments: at least 2 characters"), ({"maxLength": 2}, "abc", "arguments: at most 2 characters"),
+            ({"pattern": "^[A-Z]{3}$"}, "EUR", None), ({"pattern": "^[A-Z]{3}$"}, "EURO", "arguments: does not match the pattern"),
+            ({"minItems": 1}, [], "arguments: at least 1 items"), ({"maxItems": 1}, [1, 2], "arguments: at most 1 items"),
+            (schema(required=["a"]), {}, "arguments: missing a"),
+            (schema(properties={"a": {"type": "string"}}), {"a": 1}, "a: expected string"),
+            (schema(properties={}, additionalProperties=False), {"b": 1}, "b: not allowed"),
+            (schema(additionalProperties={"type": "integer"}), {"b": "1"}, "b: expected integer"),
+            (schema(properties={"rows": rows}), {"rows": [{"stock": 1}, {"stock": True}]}, "rows[1].stock: expected integer"),
+            (schema(properties={"rows": rows}), {"rows": [{}, {}, {}]}, "rows: at most 2 items"),
+            (schema(additionalProperties=False), {"../etc": 1}, "?: not allowed"),  # a key from outside shows only if plain
+            ({"type": "string", "format": "email", "title": "T", "description": "D", "default": "x", "examples": ["x"]},
+             "not an email", None),  # annotations are ignored
+        ]
+        for rule, value, reason in cases:
+            with self.subTest(rule=rule, value=value):
+                self.assertEqual(agent_loop.schema_error(rule, value), reason)
+
+    async def test_a_schema_the_check_cannot_honour_is_refused_when_the_run_starts(self):
+        cases = [  # (parameters, message)
+            (schema(properties={"a": {"$ref": "#/$defs/A"}}), "tool: parameters.properties.a: unsupported keyword $ref"),
+            (schema(oneOf=[{"type": "object"}]), "tool: parameters: unsupported keyword oneOf"),
+            (schema(properties={"a": {"type": "array", "uniqueItems": True}}),
+             "tool: parameters.properties.a: unsupported keyword uniqueItems"),
+            (schema(patternProperties={}), "tool: parameters: unsupported keyword patternProperties"),
+            (schema(properties={"a": {"type": "array", "minItems": "1"}}), "tool: parameters.properties.a.minItems: must be an int >= 0"),
+            (schema(properties={"a": {"type": "text"}}), "tool: parameters.properties.a.type: must be JSON type names"),
+            (schema(properties={"a": {"type": 5}}), "tool: parameters.properties.a.type: must be JSON type names"),
+            (schema(properties={"a": {"type": []}}), "tool: parameters.properties.a.type: must be JSON type names"),
+            (schema(properties={"a": {"anyOf": [{"not": {}}]}}), "tool: parameters.properties.a.anyOf[0]: unsupported keyword not"),
+            (schema(additionalProperties={"$defs": {}}), "tool: parameters.additionalProperties: unsupported keyword $defs"),
+            (schema(properties={"a": {"pattern": "("}}), "tool: parameters.properties.a.pattern: must be a regular expression"),
+            (schema(required="a"), "tool: parameters.required: must be a list of names"),
+            (schema(properties={"a": {"maximum": "9"}}), "tool: parameters.properties.a.maximum: must be a number"),
+            ({"type": "array"}, "tool: parameters must be a JSON Schema of type object"),
+            (schema(default=float("nan")), "tool: parameters must be a JSON Schema of type object"),
+        ]
+        for parameters, message in cases:
+            with self.subTest(message=message):
+                registry = {"tool": ToolSpec(1, True, True, parameters=parameters)}
+                asked = []
+                with self.assertRaises(ValueError) as raised:
+                    await run_agent(scripted(asked.append), fixtures=FunctionTools({"tool": dict}), registry=registry)
+                self.assertEqual((str(raised.exception), asked), (message, []))
+
+    async def test_every_tool_of_your_own_declares_how_its_arguments_are_checked(self):
+        async def async_check(args):
+            return True
+
+        class AsyncCall:
+            async def __call__(self, args):
+                return True
+
+        cases = [
+            (ToolSpec(1, True, True), "tool: declare its parameters, a validate function, or both"),
+            (ToolSpec(1, True, True, validate=async_check), "tool: validate must be a plain function or None"),
+            (ToolSpec(1, True, True, validate=functools.partial(async_check)), "tool: validate must be a plain function or None"),
+            (ToolSpec(1, True, True, validate=AsyncCall()), "tool: validate must be a plain function or None"),
+            (ToolSpec(1, True, True, description=None, parameters=schema()), "tool: description must be a string"),
+        ]
+        for spec, message in cases:
+            with self.subTest(message=message):
+                with self.assertRaises(ValueError) as raised:
+                    await run_agent(fixtures=FunctionTools({"tool": dict}), registry={"tool": spec})
+                self.assertEqual(str(raised.exception), message)
+
+    def test_preflight_keeps_the_reason_and_the_call_it_refused(self):
+        registry = {"convert": CONVERSION_TOOLS["convert"]}
+        batch = [call("a", "convert", amount_cents=5, rate_micros=7), call("b", "convert", amount_cents=5, rate_micros=0)]
+        with self.assertRaises(Stop) as raised:
+            preflight(batch, set(), {}, registry, Limits())
+        self.assertEqual((str(raised.exception), raised.exception.why),
+                         ("invalid_arguments", {"call_id": "b", "name": "convert", "reason": "rate_micros: at least 1"}))
+
+    async def test_the_schema_and_your_validate_both_run(self):
+        registry = {"get_rate": CONVERSION_TOOLS["get_rate"]}
+        for arguments, status in (({"base": "EUR", "quote": "USD"}, "round_limit"),
+                                  ({"base": "EUR", "quote": "EUR"}, "invalid_arguments"),  # validate refuses
+                                  ({"base": "EUR", "quote": "GBP"}, "invalid_arguments"),  # the schema refuses
+                                  ({"base": "EUR"}, "invalid_arguments")):  # validate would raise; the schema refuses first
+            with self.subTest(arguments=arguments):
+                desk = RateDesk()
+                model = scripted(calls({"call_id": "r", "name": "get_rate", "arguments": arguments}))
+                result = await run_agent(model, fixtures=FunctionTools(desk.functions()), registry=registry,
+                                         limits=dataclasses.replace(ROOMY, rounds=1))
+                self.assertEqual((result["status"], len(desk.ran)), (status, 1 if status == "round_limit" else 0))
+
+    async def test_your_validate_gets_a_copy_and_cannot_edit_the_call(self):
+        def edits(args):
+            args["items"].append("edited by validate")
+            return True
+
+        registry = {"echo": ToolSpec(1, True, True, validate=edits, parameters=schema())}
+        result = await run_agent(scripted(calls(call("e", "echo", items=[1]))), fixtures=FunctionTools({"echo": lambda **a: a}),
+                                 registry=registry, limits=dataclasses.replace(ROOMY, rounds=1))
+        self.assertEqual(result["history"][0]["calls"][0]["arguments"], {"items": [1]})
+        self.assertEqual(observations(result)[0]["data"], {"items": [1]})
 
 
 class AcceptedTests(unittest.IsolatedAsyncioTestCase):
@@ -795,7 +923,7 @@ class RunAgentTests(RuntimeTestCase):
             ({"read_partition": dataclasses.replace(read, read_only=1)}, "read_partition: read_only and parallel_safe must be bools"),
             ({"read_partition": dataclasses.replace(read, parallel_safe=None)},
              "read_partition: read_only and parallel_safe must be bools"),
-            ({"read_partition": dataclasses.replace(read, validate="yes")}, "read_partition: validate must be a function or None"),
+            ({"read_partition": dataclasses.replace(read, validate="yes")}, "read_partition: validate must be a plain function or None"),
             ({1: read}, "registry: tool names must be strings"),
             ([("read_partition", read)], "registry must be a dict of ToolSpec"),
         ]
@@ -1171,19 +1299,19 @@ RATES = {("EUR", "USD"): 1_085_000, ("USD", "JPY"): 151_200_000}  # millionths o
 AMOUNT = 12_345  # cents of EUR to convert
 
 
-def valid_rate_args(args):
-    return (args.keys() == {"base", "quote"} and all(type(v) is str and v in CURRENCIES for v in args.values())
-            and args["base"] != args["quote"])
-
-
-def valid_convert_args(args):
-    return (args.keys() == {"amount_cents", "rate_micros"}
-            and all(type(v) is int and 0 < v <= 10**12 for v in args.values()))
-
-
+CURRENCY = {"type": "string", "enum": list(CURRENCIES)}
+POSITIVE = {"type": "integer", "minimum": 1, "maximum": 10**12}
+# One declaration per tool serves preflight and every model bridge. validate adds what the schema cannot say.
 CONVERSION_TOOLS = {
-    "get_rate": ToolSpec(1, True, True, validate=valid_rate_args),
-    "convert": ToolSpec(1, True, False, validate=valid_convert_args),
+    "get_rate": ToolSpec(
+        1, True, True, validate=lambda args: args["base"] != args["quote"],
+        description="The exchange rate from one currency to another, in millionths.",
+        parameters={"type": "object", "properties": {"base": CURRENCY, "quote": CURRENCY},
+                    "required": ["base", "quote"], "additionalProperties": False}),
+    "convert": ToolSpec(
+        1, True, False, description="Convert an amount in cents with a rate in millionths.",
+        parameters={"type": "object", "properties": {"amount_cents": POSITIVE, "rate_micros": POSITIVE},
+                    "required": ["amount_cents", "rate_micros"], "additionalProperties": False}),
 }
 
 
@@ -1404,10 +1532,8 @@ class OwnPrototypeTests(RuntimeTestCase):
 
     def test_toolspec_keeps_its_three_field_form(self):
         spec = ToolSpec(2, True, True)
-        self.assertIsNone(spec.validate)
+        self.assertEqual((spec.validate, spec.description, spec.parameters), (None, "", None))
         self.assertEqual(dataclasses.replace(spec, parallel_safe=False), ToolSpec(2, True, False, None))
-        with self.assertRaises(dataclasses.FrozenInstanceError):
-            spec.validate = valid_rate_args
 
 
 # PART 8: the benchmark (its figures are checked for sanity, never for speed)
@@ -1488,23 +1614,6 @@ def chat_reply(content=None, tool_calls=None, finish_reason="stop", refusal=None
             "choices": [{"index": 0, "message": msg, "finish_reason": finish_reason}]}
 
 
-def schema_accepts(schema, value):
-    """A small JSON Schema check for the keywords TOOL_SCHEMAS uses, judging integers as Python's isinstance does."""
-    kind = schema.get("type")
-    if kind == "object":
-        return (isinstance(value, dict) and set(schema["required"]) <= set(value)
-                and (schema.get("additionalProperties", True) or set(value) <= set(schema["properties"]))
-                and all(schema_accepts(schema["properties"][key], item) for key, item in value.items()))
-    if kind == "array":
-        return (isinstance(value, list) and schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value))
-                and all(schema_accepts(schema["items"], item) for item in value))
-    if kind == "integer" and not (isinstance(value, int) and schema["minimum"] <= value <= schema["maximum"]):
-        return False
-    if kind == "string" and not isinstance(value, str):
-        return False
-    return "enum" not in schema or value in schema["enum"]
-
-
 AMOUNT_SCHEMA = {"type": "integer", "minimum": 0, "maximum": 100000}
 # The inventory tools as the model is offered them, written out here rather than read from the module.
 INVENTORY_DECLARATIONS = {
@@ -1526,6 +1635,32 @@ INVENTORY_DECLARATIONS = {
 }
 
 
+def anthropic_reply(*content, stop_reason="end_turn"):
+    return {"id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": list(content),
+            "stop_reason": stop_reason, "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}}
+
+
+def tool_use(call_id, name, arguments):
+    return {"type": "tool_use", "id": call_id, "name": name, "input": arguments}
+
+
+def text_block(text):
+    return {"type": "text", "text": text}
+
+
+BRIDGES = {  # name: (make_model, extra options, a reply with these calls, a reply with this text)
+    "responses": (agent_loop.responses_model, {},
+                  lambda *calls: responses_reply(*(fc(cid, name, args) for cid, name, args in calls)),
+                  lambda text: responses_reply(message(output_text(text)))),
+    "chat": (agent_loop.chat_model, {},
+             lambda *calls: chat_reply(None, [tool_call(cid, name, args) for cid, name, args in calls], "tool_calls"),
+             lambda text: chat_reply(text)),
+    "messages": (agent_loop.messages_model, {"max_tokens": 1024},
+                 lambda *calls: anthropic_reply(*(tool_use(cid, name, args) for cid, name, args in calls), stop_reason="tool_use"),
+                 lambda text: anthropic_reply(text_block(text))),
+}
+
+
 class Recorder:
     """A create() that replays recorded replies in order and keeps every request it was given."""
 
@@ -1538,48 +1673,27 @@ class Recorder:
 
 
 class ProviderBridgeTests(RuntimeTestCase):
-    def test_tool_schemas_are_strict_mode_ready(self):
-        def objects(node):
-            if isinstance(node, dict):
-                if node.get("type") == "object":
-                    yield node
-                for child in node.values():
-                    yield from objects(child)
+    def test_the_inventory_tools_declare_what_the_model_is_offered(self):
+        self.assertEqual({name: {"description": spec.description, "parameters": spec.parameters} for name, spec in TOOLS.items()},
+                         INVENTORY_DECLARATIONS)
 
-        for name, tool in agent_loop.TOOL_SCHEMAS.items():
-            with self.subTest(name=name):
-                self.assertIn(name, TOOLS)
-                self.assertTrue(tool["description"] and "\n" not in tool["description"])
-                for node in objects(tool["parameters"]):
-                    self.assertIs(node["additionalProperties"], False)
-                    self.assertEqual(sorted(node["required"]), sorted(node["properties"]))
-        partition = agent_loop.TOOL_SCHEMAS["read_partition"]["parameters"]["properties"]["partition"]
-        rows = agent_loop.TOOL_SCHEMAS["compute_plan"]["parameters"]["properties"]["rows"]
-        self.assertEqual(partition["enum"], ["north", "south"])
-        self.assertEqual((rows["minItems"], rows["maxItems"], rows["items"]["properties"]["sku"]["enum"]),
-                         (1, 4, ["CUP", "PEN", "BAG", "BOOK"]))
-        for field in ("stock", "target", "unit_cents"):
-            amount = rows["items"]["properties"][field]
-            self.assertEqual((amount["type"], amount["minimum"], amount["maximum"]), ("integer", 0, 100000))
-
-    def test_the_schema_agrees_with_valid_args_on_ordinary_cases(self):
-        schemas = {name: tool["parameters"] for name, tool in agent_loop.TOOL_SCHEMAS.items()}
+    def test_the_schema_check_agrees_with_valid_args_on_ordinary_cases(self):
         cases = [("read_partition", {"partition": "north"}), ("read_partition", {"partition": "east"}),
                  ("read_partition", {"partition": "north", "x": 1}), ("compute_plan", {"rows": ALL_ROWS}),
                  ("compute_plan", {"rows": []}), ("compute_plan", {"rows": [{**ALL_ROWS[0], "stock": -1}]}),
+                 ("compute_plan", {"rows": [{**ALL_ROWS[0], "stock": True}]}),
                  ("compute_plan", {"rows": [{**ALL_ROWS[0], "stock": 100001}]}), ("compute_plan", {"rows": ALL_ROWS + ALL_ROWS[:1]})]
         for name, args in cases:
             with self.subTest(name=name, args=args):
-                self.assertEqual(schema_accepts(schemas[name], args), valid_args(name, args))
+                self.assertEqual(agent_loop.schema_error(TOOLS[name].parameters, args) is None, valid_args(name, args))
 
-    def test_valid_args_stays_the_authority_where_the_schema_cannot_speak(self):
-        plan = agent_loop.TOOL_SCHEMAS["compute_plan"]["parameters"]
+    async def test_valid_args_stays_the_authority_where_the_schema_cannot_speak(self):
         twice = {"rows": [ALL_ROWS[0], {**ALL_ROWS[0], "stock": 5}]}  # CUP twice, rows not identical
-        with_true = {"rows": [{**ALL_ROWS[0], "stock": True}]}
-        for args in (twice, with_true):
-            with self.subTest(args=args):
-                self.assertTrue(schema_accepts(plan, args))
-                self.assertFalse(valid_args("compute_plan", args))
+        self.assertIsNone(agent_loop.schema_error(TOOLS["compute_plan"].parameters, twice))
+        self.assertFalse(valid_args("compute_plan", twice))
+        fixtures = Fixtures()
+        result = await run_agent(scripted(calls(call("p", "compute_plan", **twice))), fixtures=fixtures, limits=ROOMY)
+        self.assertEqual((result["status"], fixtures.started), ("invalid_arguments", []))
 
     def test_the_tools_offered_are_exactly_the_inventorys_strict_declarations(self):
         responses = [{"type": "function", "name": name, "description": tool["description"],
@@ -1732,6 +1846,118 @@ class ProviderBridgeTests(RuntimeTestCase):
         self.assertEqual((north["ok"], north["data"]["partition"], north["data"]["rows"]), (True, "north", DATA["north"]))
         self.assertEqual(plan, {"ok": True, "data": PLAN})
 
+    async def test_your_own_registry_runs_unchanged_through_every_bridge(self):
+        answer = {"amount_cents": 12345, "rate_micros": 1085000, "converted_cents": 13394}
+        for name, (make_model, options, calls_reply, text_reply) in BRIDGES.items():
+            with self.subTest(bridge=name):
+                create = Recorder(calls_reply(("r", "get_rate", {"base": "EUR", "quote": "USD"})),
+                                  calls_reply(("c", "convert", {"amount_cents": 12345, "rate_micros": 1085000})),
+                                  text_reply(json.dumps(answer)))
+                desk = RateDesk()
+                model = make_model(create, "Convert 123.45 EUR to USD.", CONVERSION_TOOLS, model="m", **options)
+                result = await run_agent(model, fixtures=FunctionTools(desk.functions()), registry=CONVERSION_TOOLS,
+                                         accept=conversion_accepted, limits=ROOMY)
+                self.assertEqual((result["status"], result["answer"], desk.ran), ("completed", answer, ["get_rate", "convert"]))
+                offered = create.requests[0]["tools"]
+                names = [tool.get("name") or tool["function"]["name"] for tool in offered]
+                self.assertEqual(names, ["get_rate", "convert"])
+
+    def test_each_bridge_offers_the_registrys_declarations(self):
+        rate = CONVERSION_TOOLS["get_rate"]
+        self.assertEqual(agent_loop.responses_tools(CONVERSION_TOOLS)[0], {
+            "type": "function", "name": "get_rate", "description": rate.description, "parameters": rate.parameters, "strict": True})
+        self.assertEqual(agent_loop.chat_tools(CONVERSION_TOOLS)[0], {"type": "function", "function": {
+            "name": "get_rate", "description": rate.description, "parameters": rate.parameters, "strict": True}})
+        self.assertEqual(agent_loop.messages_tools(CONVERSION_TOOLS)[0], {
+            "name": "get_rate", "description": rate.description, "input_schema": rate.parameters})
+        self.assertEqual([tool["name"] for tool in agent_loop.messages_tools()], ["read_partition", "compute_plan"])
+
+    def test_a_tool_is_offered_strict_only_where_its_schema_meets_the_strict_rules(self):
+        closed = {"a": {"type": "string"}}
+        cases = [  # (parameters, strict)
+            (schema(properties=closed, required=["a"], additionalProperties=False), True),
+            (schema(properties=closed, required=[], additionalProperties=False), False),  # a property not required
+            (schema(properties=closed, required=["a"]), False),  # an open object
+            (schema(properties={"a": {"type": "array", "items": schema(properties=closed)}}, required=["a"],
+                    additionalProperties=False), False),  # an open object inside
+            (schema(properties={"a": {"anyOf": [{"type": "null"}, schema(properties=closed, required=["a"],
+                                                                          additionalProperties=False)]}},
+                    required=["a"], additionalProperties=False), True),
+        ]
+        for parameters, strict in cases:
+            with self.subTest(parameters=parameters):
+                registry = {"tool": ToolSpec(1, True, True, parameters=parameters)}
+                self.assertIs(agent_loop.responses_tools(registry)[0]["strict"], strict)
+                self.assertIs(agent_loop.chat_tools(registry)[0]["function"]["strict"], strict)
+
+    def test_a_tool_the_providers_cannot_be_offered_is_refused_when_the_model_is_built(self):
+        cases = [
+            ({"tool": ToolSpec(1, True, True, validate=bool)}, "tool: no parameters to offer the model"),
+            ({"read.file": ToolSpec(1, True, True, parameters=schema())}, "read.file: a tool name must be 1 to 64 letters, digits, _ or -"),
+            ({"tool": ToolSpec(1, True, True, parameters=schema(oneOf=[]))}, "tool: parameters: unsupported keyword oneOf"),
+        ]
+        for registry, message in cases:
+            for name, (make_model, options, _, _) in BRIDGES.items():
+                with self.subTest(bridge=name, message=message):
+                    with self.assertRaises(ValueError) as raised:
+                        make_model(Recorder(), "task", registry, **options)
+                    self.assertEqual(str(raised.exception), message)
+        with self.assertRaises(ValueError) as raised:
+            agent_loop.messages_model(Recorder(), "task")
+        self.assertEqual(str(raised.exception), "messages_model needs max_tokens: the Messages API requires it")
+
+    def test_messages_tool_use_blocks_are_calls_and_text_alone_is_the_answer(self):
+        north = {"partition": "north"}
+        cases = [  # (reply, decision)
+            (anthropic_reply(text_block("Reading."), tool_use("toolu_1", "read_partition", north), stop_reason="tool_use"),
+             calls(call("toolu_1", partition="north"))),
+            (anthropic_reply(tool_use("toolu_1", "read_partition", "north"), stop_reason="tool_use"),
+             calls({"call_id": "toolu_1", "name": "read_partition", "arguments": "north"})),  # stays as it came
+            (anthropic_reply(text_block(json.dumps(PLAN))), final(PLAN)),
+            (anthropic_reply(text_block("The total is "), text_block("21900.")), final("The total is 21900.")),
+            (anthropic_reply(text_block("I can't help with that."), stop_reason="refusal"), {"kind": "refusal"}),
+            (anthropic_reply(text_block(json.dumps(PLAN)[:30]), stop_reason="max_tokens"), {"kind": "truncated"}),
+            (anthropic_reply(tool_use("toolu_1", "read_partition", north), stop_reason="max_tokens"), {"kind": "truncated"}),
+            (anthropic_reply(stop_reason="model_context_window_exceeded"), {"kind": "truncated"}),
+            (anthropic_reply(text_block("Searching..."), stop_reason="pause_turn"), {"kind": "paused"}),
+            (anthropic_reply(), {"kind": "empty"}),
+            (anthropic_reply(text_block("  ")), {"kind": "empty"}),
+        ]
+        for reply, decision in cases:
+            with self.subTest(reply=reply):
+                self.assertEqual(agent_loop.from_messages(reply), decision)
+
+    def test_the_messages_replay_alternates_roles_and_answers_every_tool_use(self):
+        north, south = call("n", partition="north"), call("s", partition="south")
+        history = [{"round": 1, "calls": [north, south], "observations": [
+            {**north, "ok": True, "data": {"rows": []}},
+            {**south, "ok": False, "error": "temporary", "retryable": True}]}]
+        self.assertEqual(agent_loop.messages_input(history), [
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "n", "name": "read_partition", "input": {"partition": "north"}},
+                {"type": "tool_use", "id": "s", "name": "read_partition", "input": {"partition": "south"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "n", "content": '{"ok": true, "data": {"rows": []}}'},
+                {"type": "tool_result", "tool_use_id": "s", "content": '{"ok": false, "error": "temporary", "retryable": true}',
+                 "is_error": True}]},
+        ])
+
+    async def test_end_to_end_through_the_messages_format(self):
+        create = Recorder(
+            anthropic_reply(tool_use("toolu_n", "read_partition", {"partition": "north"}),
+                            tool_use("toolu_s", "read_partition", {"partition": "south"}), stop_reason="tool_use"),
+            anthropic_reply(tool_use("toolu_p", "compute_plan", {"rows": ALL_ROWS}), stop_reason="tool_use"),
+            anthropic_reply(text_block(json.dumps(PLAN))),
+        )
+        model = agent_loop.messages_model(create, "Plan the restock.", model="some-model", max_tokens=1024)
+        result = await run_agent(model, limits=ROOMY)
+        self.assertEqual((result["status"], result["used"]), ("completed", {"rounds": 3, "calls": 3, "credits": 17}))
+        third = create.requests[2]
+        self.assertEqual((third["model"], third["max_tokens"], third["tools"]), ("some-model", 1024, agent_loop.messages_tools()))
+        self.assertEqual([m["role"] for m in third["messages"]], ["user", "assistant", "user", "assistant", "user"])
+        self.assertEqual(third["messages"][0], {"role": "user", "content": "Plan the restock."})
+        self.assertEqual([block["tool_use_id"] for block in third["messages"][2]["content"]], ["toolu_n", "toolu_s"])
+
     async def test_end_to_end_through_the_chat_format_with_an_async_create(self):
         replies = Recorder(
             chat_reply(None, [tool_call("call_n", "read_partition", {"partition": "north"}),
@@ -1777,6 +2003,438 @@ class ProviderBridgeTests(RuntimeTestCase):
                                  limits=dataclasses.replace(ROOMY, model_seconds=0.2))
         gate.set()
         self.assertEqual((result["status"], result["used"]["rounds"]), ("model_timeout", 1))
+
+
+# The SDK lane: every bridge through the official openai and anthropic packages, sync and async clients,
+# against a fake provider on 127.0.0.1. `python3 -m unittest` skips these (it needs the standard library
+# only); .ci/run installs pinned SDKs in a throwaway virtual environment and runs the whole suite there.
+
+try:
+    import openai
+except ImportError:
+    openai = None
+try:
+    import anthropic
+except ImportError:
+    anthropic = None
+
+
+class Malformed(Exception):
+    """A request the real API would answer with HTTP 400."""
+
+
+def require(condition, message):
+    if not condition:
+        raise Malformed(message)
+
+
+def wire_arguments(value):
+    """Arguments as a provider reads them: the JSON object that text encodes, else the value as it came."""
+    if type(value) is str:
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return value
+        return parsed if type(parsed) is dict else value
+    return value
+
+
+def wire_text(content):
+    """A message's text: a string, or a list of text parts."""
+    if type(content) is str:
+        return content
+    require(type(content) is list and all(type(part) is dict for part in content), "content must be text or parts")
+    return "".join(part.get("text", "") for part in content)
+
+
+class Conversation:
+    """What a request says happened: the task, then rounds of calls, each answered by exactly one output."""
+
+    def __init__(self, task):
+        self.task, self.rounds, self.owner = task, [], {}
+
+    def call(self, call_id, name, arguments, new_round):
+        require(type(call_id) is str and call_id, "a tool call needs an id")
+        require(call_id not in self.owner, f"tool call id {call_id} appears twice")
+        require(type(name) is str and name, "a tool call needs a name")
+        if new_round or not self.rounds:
+            self.rounds.append({"calls": [], "outputs": {}})
+        self.rounds[-1]["calls"].append({"id": call_id, "name": name, "arguments": wire_arguments(arguments)})
+        self.owner[call_id] = self.rounds[-1]
+
+    def output(self, call_id, text, is_error=None):
+        require(call_id in self.owner, f"no tool call {call_id} for this output")
+        require(call_id not in self.owner[call_id]["outputs"], f"a second output for {call_id}")
+        require(type(text) is str, "a tool output must be a string")
+        require(is_error is None or type(is_error) is bool, "is_error must be a boolean")
+        self.owner[call_id]["outputs"][call_id] = {"text": text, "is_error": is_error}
+
+    def unanswered(self):
+        return [cid for cid, owner in self.owner.items() if cid not in owner["outputs"]]
+
+    def results(self):
+        """{tool name: [data of each successful output, in order]}, read back from the replayed outputs."""
+        done = {}
+        for record in self.rounds:
+            for item in record["calls"]:
+                result = json.loads(record["outputs"][item["id"]]["text"])
+                if result["ok"]:
+                    done.setdefault(item["name"], []).append(result["data"])
+        return done
+
+
+def offered_tools(body, key, schema_key):
+    tools = body.get("tools", [])
+    require(type(tools) is list, "tools must be a list")
+    names = []
+    for tool in tools:
+        declared = tool.get("function") if key == "chat" else tool
+        require(type(declared) is dict and type(declared.get("name")) is str, "a tool needs a name")
+        require(key == "messages" or tool.get("type") == "function", "a tool's type must be function")
+        require(type(declared.get(schema_key)) is dict and declared[schema_key].get("type") == "object",
+                f"a tool's {schema_key} must be a schema of type object")
+        names.append(declared["name"])
+    return names
+
+
+def read_responses(body):
+    items = body.get("input")
+    require(type(body.get("model")) is str, "model is required")
+    require(type(items) is list and items and all(type(item) is dict for item in items), "input must be a list of items")
+    require(items[0].get("role") == "user", "the first input item must be a user message")
+    talk, previous = Conversation(wire_text(items[0].get("content"))), None
+    for item in items[1:]:
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            require(set(item) == {"type", "call_id", "name", "arguments"}, "a function_call has unknown keys")
+            require(type(item["arguments"]) is str, "function_call arguments must be a string")
+            talk.call(item["call_id"], item["name"], item["arguments"], previous != "function_call")
+        elif kind == "function_call_output":
+            require(set(item) == {"type", "call_id", "output"}, "a function_call_output has unknown keys")
+            talk.output(item["call_id"], item["output"])
+        else:
+            require(kind == "message" and item.get("role") in ("user", "assistant"), "an unknown input item")
+            wire_text(item.get("content"))
+        previous = kind
+    require(not talk.unanswered(), "every function call needs its output")
+    return talk, offered_tools(body, "responses", "parameters")
+
+
+def read_chat(body):
+    messages = body.get("messages")
+    require(type(body.get("model")) is str, "model is required")
+    require(type(messages) is list and messages and all(type(m) is dict for m in messages), "messages must be a list")
+    require(messages[0].get("role") == "user", "the first message must be the user's")
+    talk, waiting = Conversation(wire_text(messages[0].get("content"))), set()
+    for m in messages[1:]:
+        role = m.get("role")
+        require(role == "tool" or not waiting, "tool_calls must be answered by tool messages before anything else")
+        if role == "tool":
+            require(set(m) == {"role", "tool_call_id", "content"} and m["tool_call_id"] in waiting,
+                    "a tool message must answer a waiting tool call")
+            waiting.discard(m["tool_call_id"])
+            talk.output(m["tool_call_id"], m["content"])
+        else:
+            require(role in ("user", "assistant"), "an unknown role")
+            tool_calls = m.get("tool_calls") or []
+            require(m.get("content") is not None or tool_calls, "a message needs content")
+            for index, tool_call in enumerate(tool_calls):
+                function = tool_call.get("function") or {}
+                require(tool_call.get("type") == "function" and type(function.get("arguments")) is str,
+                        "a tool call's arguments must be a string")
+                talk.call(tool_call.get("id"), function.get("name"), function["arguments"], index == 0)
+                waiting.add(tool_call["id"])
+    require(not waiting, "every tool call needs its tool message")
+    return talk, offered_tools(body, "chat", "parameters")
+
+
+def read_messages(body):
+    messages = body.get("messages")
+    require(type(body.get("model")) is str, "model is required")
+    require(type(body.get("max_tokens")) is int, "max_tokens is required")
+    require(type(messages) is list and messages and all(type(m) is dict for m in messages), "messages must be a list")
+    talk, expected = Conversation(wire_text(messages[0].get("content"))), []
+    for index, m in enumerate(messages):
+        require(m.get("role") == ("user", "assistant")[index % 2], "roles must alternate, starting with user")
+        blocks = m["content"] if type(m.get("content")) is list else [{"type": "text", "text": wire_text(m.get("content"))}]
+        if m["role"] == "user":
+            results = [block for block in blocks if block.get("type") == "tool_result"]
+            require(blocks[:len(results)] == results, "tool_result blocks must come first")
+            require(sorted(block.get("tool_use_id") for block in results) == sorted(expected),
+                    "each tool_use needs a tool_result in the next message, and no other")
+            for block in results:
+                require(set(block) <= {"type", "tool_use_id", "content", "is_error"}, "a tool_result has unknown keys")
+                talk.output(block["tool_use_id"], block.get("content"), block.get("is_error"))
+            expected = []
+        else:
+            uses = [block for block in blocks if block.get("type") == "tool_use"]
+            for number, block in enumerate(uses):
+                require(set(block) == {"type", "id", "name", "input"}, "a tool_use has unknown keys")
+                require(type(block["input"]) is dict, "a tool_use input must be an object")
+                talk.call(block["id"], block["name"], block["input"], number == 0)
+            expected = [block["id"] for block in uses]
+    require(not expected, "the last tool_use blocks were never answered")
+    return talk, offered_tools(body, "messages", "input_schema")
+
+
+def new_id(prefix):
+    return prefix + os.urandom(8).hex()
+
+
+def reply_responses(body, action):
+    cut = bool(action.get("cut_off"))
+    output = []
+    if "refusal" in action:
+        output.append({"id": new_id("msg_"), "type": "message", "role": "assistant", "status": "completed",
+                       "content": [{"type": "refusal", "refusal": action["refusal"]}]})
+    elif "text" in action:
+        output.append({"id": new_id("msg_"), "type": "message", "role": "assistant",
+                       "status": "incomplete" if cut else "completed",
+                       "content": [{"type": "output_text", "text": action["text"], "annotations": [], "logprobs": []}]})
+    for call_id, name, arguments in action.get("calls", ()):
+        output.append({"id": new_id("fc_"), "type": "function_call", "status": "completed", "name": name,
+                       "call_id": call_id or new_id("call_"),
+                       "arguments": arguments if type(arguments) is str else json.dumps(arguments)})
+    now = int(time.time())
+    return {"id": new_id("resp_"), "object": "response", "created_at": now, "model": body["model"], "output": output,
+            "status": "incomplete" if cut else "completed", "completed_at": None if cut else now, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "parallel_tool_calls": True, "tool_choice": "auto", "tools": body.get("tools", []),
+            "text": {"format": {"type": "text"}, "verbosity": "medium"},
+            "usage": {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                      "output_tokens": 5, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 15}}
+
+
+def reply_chat(body, action):
+    tool_calls = [{"id": call_id or new_id("call_"), "type": "function",
+                   "function": {"name": name, "arguments": arguments if type(arguments) is str else json.dumps(arguments)}}
+                  for call_id, name, arguments in action.get("calls", ())]
+    message = {"role": "assistant", "content": action.get("text"), "refusal": action.get("refusal"), "annotations": []}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    finish = "length" if action.get("cut_off") else "tool_calls" if tool_calls else "stop"
+    return {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()), "model": body["model"],
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
+
+
+def reply_messages(body, action):
+    text = action.get("refusal", action.get("text"))
+    content = [{"type": "text", "text": text}] if text is not None else []
+    content += [{"type": "tool_use", "id": call_id or new_id("toolu_"), "name": name, "input": wire_arguments(arguments)}
+                for call_id, name, arguments in action.get("calls", ())]
+    stop = ("refusal" if "refusal" in action else "max_tokens" if action.get("cut_off")
+            else "tool_use" if action.get("calls") else "end_turn")
+    return {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": body["model"], "content": content,
+            "stop_reason": stop, "stop_sequence": None,
+            "usage": {"input_tokens": 10, "output_tokens": 5, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
+
+
+PROVIDER_PATHS = {"/v1/responses": ("responses", read_responses, reply_responses),
+                  "/v1/chat/completions": ("chat", read_chat, reply_chat),
+                  "/v1/messages": ("messages", read_messages, reply_messages)}
+
+
+def error_body(api, status, text):
+    if api == "messages":
+        kind = "invalid_request_error" if status < 500 else "api_error"
+        return {"type": "error", "error": {"type": kind, "message": text}}
+    return {"error": {"message": text, "type": "invalid_request_error" if status < 500 else "server_error",
+                      "param": None, "code": None}}
+
+
+class ProviderHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def send(self, status, payload):
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        try:
+            self.wfile.write(data)
+        except OSError:  # the client stopped waiting
+            pass
+
+    def do_POST(self):
+        fake = self.server.fake
+        api, read, reply = PROVIDER_PATHS[self.path]
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        try:
+            talk, tools = read(body)
+        except (Malformed, AttributeError, KeyError, TypeError) as error:
+            fake.record(api, body, 400)
+            return self.send(400, error_body(api, 400, str(error)))
+        action = fake.brain(api, talk, tools)
+        while "sleep" in action:
+            time.sleep(action["sleep"])
+            action = action["then"]
+        status = action.get("status", 200)
+        fake.record(api, body, status)
+        self.send(status, reply(body, action) if status == 200 else error_body(api, status, "a fake failure"))
+
+
+class QuietServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        if not issubclass(sys.exc_info()[0], OSError):  # a client that hung up is no news; anything else is
+            super().handle_error(request, client_address)
+
+
+class FakeProvider:
+    """The three APIs on 127.0.0.1: each valid request is answered by brain(api, conversation, tool names), which
+    returns an action: {"calls": [(id or None, name, arguments)]}, {"text": ...}, {"refusal": ...},
+    {"cut_off": True, "text": ...}, {"status": 500}, or {"sleep": seconds, "then": action}."""
+
+    def __init__(self, brain):
+        self.brain, self.seen, self.lock = brain, [], threading.Lock()
+        self.server = QuietServer(("127.0.0.1", 0), ProviderHandler)
+        self.server.fake = self
+        self.url = "http://127.0.0.1:%d" % self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def record(self, api, body, status):
+        with self.lock:
+            self.seen.append((api, body, status))
+
+    def statuses(self):
+        return [status for _, _, status in self.seen]
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def inventory_brain(api, talk, tools):
+    """The inventory task, decided from the outputs the request replays: read both, plan from the rows, answer."""
+    done = talk.results()
+    reads = {data["partition"]: data["rows"] for data in done.get("read_partition", [])}
+    missing = [partition for partition in ("north", "south") if partition not in reads]
+    if missing:
+        return {"calls": [(None, "read_partition", {"partition": partition}) for partition in missing]}
+    if "compute_plan" not in done:
+        return {"calls": [(None, "compute_plan", {"rows": reads["north"] + reads["south"]})]}
+    return {"text": json.dumps(done["compute_plan"][-1])}
+
+
+def conversion_brain(api, talk, tools):
+    """The conversion task of the own-prototype tests, decided from the replayed outputs."""
+    done = talk.results()
+    if "get_rate" not in done:
+        return {"calls": [(None, "get_rate", {"base": "EUR", "quote": "USD"})]}
+    rate = done["get_rate"][-1]["rate_micros"]
+    if "convert" not in done:
+        return {"calls": [(None, "convert", {"amount_cents": AMOUNT, "rate_micros": rate})]}
+    converted = done["convert"][-1]
+    return {"text": json.dumps({key: converted[key] for key in ("amount_cents", "rate_micros", "converted_cents")})}
+
+
+SDK_MISSING = {"responses": openai is None, "chat": openai is None, "messages": anthropic is None}
+MAKE_MODEL = {"responses": agent_loop.responses_model, "chat": agent_loop.chat_model, "messages": agent_loop.messages_model}
+
+
+class SdkLaneTests(RuntimeTestCase):
+    """The bridges through the official SDKs; each test skips, saying why, where its SDK is not installed."""
+
+    async def asyncSetUp(self):
+        self.allowBlockingSteps()  # an SDK's first request builds its models on the loop
+
+    def provider(self, brain):
+        fake = FakeProvider(brain)
+        self.addCleanup(fake.close)
+        return fake
+
+    def create(self, api, fake, asynchronous, **client_options):
+        """The official client's create method for api, pointed at the fake provider."""
+        if SDK_MISSING[api]:
+            self.skipTest(f"the official {'anthropic' if api == 'messages' else 'openai'} package is not installed "
+                          "(.ci/run installs it in its SDK lane)")
+        options = {"api_key": "test", "max_retries": 0, "timeout": 30, **client_options}
+        if api == "messages":
+            client = (anthropic.AsyncAnthropic if asynchronous else anthropic.Anthropic)(base_url=fake.url, **options)
+        else:
+            client = (openai.AsyncOpenAI if asynchronous else openai.OpenAI)(base_url=fake.url + "/v1", **options)
+        if asynchronous:
+            self.addAsyncCleanup(client.close)
+        else:
+            self.addCleanup(client.close)
+        if api == "messages":
+            return client.messages.create
+        return client.responses.create if api == "responses" else client.chat.completions.create
+
+    def model(self, api, create, task="Plan the restock.", registry=TOOLS):
+        options = {"model": "fake-model", **({"max_tokens": 1024} if api == "messages" else {})}
+        return MAKE_MODEL[api](create, task, registry, **options)
+
+    async def test_the_inventory_task_completes_on_every_api_with_sync_and_async_clients(self):
+        for api in MAKE_MODEL:
+            for asynchronous in (False, True):
+                with self.subTest(api=api, asynchronous=asynchronous):
+                    fake = self.provider(inventory_brain)
+                    model = self.model(api, self.create(api, fake, asynchronous))
+                    result = await run_agent(model, limits=ROOMY)
+                    self.assertEqual((result["status"], result["answer"]), ("completed", PLAN))
+                    self.assertEqual(result["used"], {"rounds": 3, "calls": 3, "credits": 17})
+                    self.assertEqual(fake.statuses(), [200, 200, 200])  # every replay was well formed
+
+    async def test_your_own_registry_completes_on_every_api(self):
+        for api in MAKE_MODEL:
+            for asynchronous in (False, True):
+                with self.subTest(api=api, asynchronous=asynchronous):
+                    fake, desk = self.provider(conversion_brain), RateDesk()
+                    model = self.model(api, self.create(api, fake, asynchronous), "Convert 123.45 EUR to USD.",
+                                       CONVERSION_TOOLS)
+                    result = await run_agent(model, fixtures=FunctionTools(desk.functions()), registry=CONVERSION_TOOLS,
+                                             accept=conversion_accepted, limits=ROOMY)
+                    self.assertEqual((result["status"], desk.ran), ("completed", ["get_rate", "convert"]))
+                    offered = fake.seen[0][1]["tools"]
+                    self.assertEqual([tool.get("name") or tool["function"]["name"] for tool in offered],
+                                     ["get_rate", "convert"])
+
+    async def test_malformed_arguments_start_no_tool(self):
+        bad = {"responses": '{"partition": "north"', "chat": '{"partition": "north"', "messages": {"partition": "east"}}
+        for api, arguments in bad.items():
+            with self.subTest(api=api):
+                fake, fixtures = self.provider(lambda *_, a=arguments: {"calls": [(None, "read_partition", a)]}), Fixtures()
+                result = await run_agent(self.model(api, self.create(api, fake, True)), fixtures=fixtures, limits=ROOMY)
+                self.assertEqual((result["status"], result["used"]["calls"], fixtures.started), ("invalid_arguments", 0, []))
+
+    async def test_a_refusal_or_a_cut_off_reply_never_answers(self):
+        for api in MAKE_MODEL:
+            for action, kind in (({"refusal": "I can't help with that."}, "refusal"),
+                                 ({"cut_off": True, "text": json.dumps(PLAN)[:20]}, "truncated")):
+                with self.subTest(api=api, kind=kind):
+                    fake = self.provider(lambda *_, a=action: a)
+                    result = await run_agent(self.model(api, self.create(api, fake, True)), limits=ROOMY)
+                    self.assertEqual((result["status"], result["trace"][0]["kind"], result["answer"]),
+                                     ("invalid_decision", kind, None))
+
+    async def test_an_http_error_ends_the_run_model_exception_after_the_sdks_own_retries(self):
+        for api in MAKE_MODEL:
+            for status, retries, requests in ((400, 2, 1), (500, 0, 1), (500, 2, 3)):  # the SDKs retry 5xx, not 400
+                with self.subTest(api=api, status=status, retries=retries):
+                    fake = self.provider(lambda *_, s=status: {"status": s})
+                    model = self.model(api, self.create(api, fake, True, max_retries=retries))
+                    result = await run_agent(model, limits=Limits(model_seconds=20, total_seconds=60))
+                    self.assertEqual((result["status"], result["used"]["rounds"]), ("model_exception", 1))
+                    self.assertEqual(fake.statuses(), [status] * requests)
+
+    async def test_a_reply_slower_than_model_seconds_ends_model_timeout(self):
+        for api in MAKE_MODEL:
+            for asynchronous in (True, False):
+                with self.subTest(api=api, asynchronous=asynchronous):
+                    fake = self.provider(lambda *_: {"sleep": 1.5, "then": {"text": "late"}})
+                    loop = asyncio.get_running_loop()
+                    start = loop.time()
+                    result = await run_agent(self.model(api, self.create(api, fake, asynchronous)),
+                                             limits=Limits(model_seconds=0.2, total_seconds=30))
+                    self.assertLess(loop.time() - start, 1.2)  # returned before the reply came
+                    self.assertEqual((result["status"], result["used"]["rounds"]), ("model_timeout", 1))
 
 
 # Invariants under inputs nobody chose: a seeded property suite. A failing case prints its seed;
