@@ -18,10 +18,12 @@ import os
 import platform
 import re
 import statistics
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 
 # PART 1: the read-only snapshot, strict schemas, the plan, the tool registry, limits and errors
@@ -50,47 +52,50 @@ def canonical(value):
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-MAX_DEPTH = 32  # nesting allowed in data from outside; deeper is refused, which also refuses cycles
+# Limits on data from outside (a decision, a tool's result, arguments, an answer): nesting, and how many
+# values it holds, each counted once per place it appears. The count bounds the work of checking it, so a
+# few KB of shared sub-lists that unfold into 10**15 paths are refused in milliseconds, not walked for hours.
+MAX_DEPTH = 32  # deeper is refused, which also refuses cycles
+MAX_VALUES = 100_000  # more than any model's context holds as JSON anyway
+_SURROGATE = re.compile("[\ud800-\udfff]")  # half of a UTF-16 pair, alone: valid in a str, not in UTF-8
 
 
-def _is_data(value, depth=0):
-    """True if value is plain JSON data: dicts with str keys, lists, str, bool, None, signed 64-bit ints, finite floats."""
-    of = type(value)
-    if of in (str, bool, type(None)):
-        return True
-    if of is int:
-        return -2**63 <= value < 2**63  # a signed 64-bit integer: wider ones do not survive most JSON readers
-    if of is float:
-        return math.isfinite(value)
-    if depth >= MAX_DEPTH:
-        return False
-    if of is list:
-        return all(_is_data(item, depth + 1) for item in value)
-    if of is dict:
-        return all(type(key) is str and _is_data(item, depth + 1) for key, item in value.items())
-    return False
+def _is_data(value):
+    """True if value is plain JSON data within the limits: dicts with str keys, lists, str, bool, None,
+    signed 64-bit ints, finite floats."""
+    count, depth, level = 1, 0, [value]
+    while level:  # one level of nesting at a time
+        inner = []
+        for item in level:
+            of = type(item)
+            if of is str:
+                if not item.isascii() and _SURROGATE.search(item):  # not Unicode text: no request could carry it
+                    return False
+            elif of is int:
+                if not -2**63 <= item < 2**63:  # a signed 64-bit integer: wider ones do not survive most JSON readers
+                    return False
+            elif of is dict or of is list:
+                count += len(item)
+                if depth == MAX_DEPTH or count > MAX_VALUES:
+                    return False
+                if of is dict:
+                    if item and set(map(type, item)) != {str}:
+                        return False
+                    item = item.values()
+                inner.extend(item)
+            elif of is float:
+                if not math.isfinite(item):
+                    return False
+            elif of is not bool and item is not None:
+                return False
+        level, depth = inner, depth + 1
+    return True
 
 
 def _copy(value):
-    """An independent copy of plain data at C speed: only for what _is_data has admitted (marshal keeps every type)."""
+    """An independent copy of plain data, made in C: only for what _is_data has admitted, as marshal keeps
+    every type (a bool stays a bool, a float keeps its bits) and may not be given anything from outside."""
     return marshal.loads(marshal.dumps(value))
-
-
-_ATOMS = frozenset({str, int, float, bool, type(None)})  # immutable: a copy may share them
-
-
-def _fresh(value):
-    """An independent copy of plain data: dicts and lists rebuilt, immutable atoms shared, anything else deep-copied."""
-    # For the JSON data history holds this equals copy.deepcopy at a fraction of its cost (bench, part 4): it
-    # skips deepcopy's memo, its per-type dispatch, and a call for every atom.
-    of = type(value)
-    if of is dict:
-        return {key: item if type(item) in _ATOMS else _fresh(item) for key, item in value.items()}
-    if of is list:
-        return [item if type(item) in _ATOMS else _fresh(item) for item in value]
-    if of in _ATOMS:
-        return value
-    return copy.deepcopy(value)
 
 
 def _has_keys(value, keys):
@@ -178,7 +183,7 @@ def schema_error(schema, value, path=""):
             return f"{where}: at least {schema['minLength']} characters"
         if "maxLength" in schema and len(value) > schema["maxLength"]:
             return f"{where}: at most {schema['maxLength']} characters"
-        if "pattern" in schema and not re.search(schema["pattern"], value):
+        if "pattern" in schema and not re.search(schema["pattern"], value, re.ASCII):
             return f"{where}: does not match the pattern"
     if type(value) is list:
         if len(value) < schema.get("minItems", 0):
@@ -195,16 +200,16 @@ def schema_error(schema, value, path=""):
                 return f"{where}: missing {key}"
         properties, others = schema.get("properties", {}), schema.get("additionalProperties", True)
         for key, item in value.items():
-            reason = schema_error(properties.get(key, others), item, _member(path, key))
+            # A reason names only what the schema names: a key the model made up shows as *.
+            if key in properties:
+                reason = schema_error(properties[key], item, f"{path}.{key}" if path else key)
+            elif others is False:
+                return f"{where}: unexpected property"
+            else:
+                reason = schema_error(others, item, f"{path}.*" if path else "*")
             if reason:
                 return reason
     return None
-
-
-def _member(path, key):
-    """path.key for a reason; a key from outside shows only if it is a short identifier."""
-    shown = key if key.isidentifier() and len(key) <= 40 else "?"
-    return f"{path}.{shown}" if path else shown
 
 
 def _count(value):
@@ -218,8 +223,8 @@ def _type_names(value):
 
 def _regex(value):
     try:
-        re.compile(value)
-    except (TypeError, re.error):
+        re.compile(value, re.ASCII)
+    except Exception:  # re.error, and the OverflowError or RecursionError of an extreme pattern
         return False
     return True
 
@@ -274,15 +279,20 @@ SCHEMA_KEYWORDS = tuple(_SCHEMA_RULES)
 
 
 def _strict(schema):
-    """True if the providers' strict mode takes schema as it is: every object closed, every property required."""
-    if type(schema) is not dict:
-        return True
-    properties = schema.get("properties")
-    kinds = schema.get("type")
-    if properties is not None or kinds == "object" or type(kinds) is list and "object" in kinds:
-        if schema.get("additionalProperties") is not False or set(schema.get("required", ())) != set(properties or ()):
-            return False
-    children = [*(properties or {}).values(), schema.get("items"), *schema.get("anyOf", ())]
+    """True if the providers' strict mode takes schema as it is: every value typed, every object closed with
+    every property required, every array's items declared."""
+    if "anyOf" in schema:
+        return all(_strict(option) for option in schema["anyOf"])
+    if "type" not in schema:
+        return "enum" in schema or "const" in schema  # fixed values; anything else would be open
+    kinds = [schema["type"]] if type(schema["type"]) is str else schema["type"]
+    properties = schema.get("properties", {})
+    if "object" in kinds and (schema.get("additionalProperties") is not False
+                              or set(schema.get("required", ())) != set(properties)):
+        return False
+    if "array" in kinds and "items" not in schema:
+        return False
+    children = [*properties.values(), schema["items"]] if "items" in schema else properties.values()
     return all(_strict(child) for child in children)
 
 
@@ -310,11 +320,11 @@ class ToolSpec:
 
 
 _AMOUNT = {"type": "integer", "minimum": 0, "maximum": MAX_AMOUNT}
-# The inventory tools. Their schemas say what a schema can; valid_args stays their authority for the
-# rest: no sku twice across rows (uniqueItems compares whole rows, and strict mode refuses it anyway).
+# The inventory tools. Their schemas say what a schema can; valid_args, their validate, stays the authority
+# for the rest: no sku twice across rows (uniqueItems compares whole rows, and strict mode refuses it).
 TOOLS = {
     "read_partition": ToolSpec(
-        2, True, True,
+        2, True, True, validate=partial(valid_args, "read_partition"),
         description="Read one inventory partition: each row's sku, stock, target and unit price in cents.",
         parameters={
             "type": "object",
@@ -324,7 +334,7 @@ TOOLS = {
         },
     ),
     "compute_plan": ToolSpec(
-        4, True, False,
+        4, True, False, validate=partial(valid_args, "compute_plan"),
         description="Compute the restock plan (target minus stock, in integer cents) for 1 to 4 rows.",
         parameters={
             "type": "object",
@@ -435,22 +445,38 @@ class Fixtures:
             self.finished.append(cid)
 
 
+class _Fault(Exception):
+    """A job's failure that cannot be passed on as it was raised; it keeps the class name, never the message."""
+
+    def __init__(self, error_type):
+        super().__init__(error_type)
+        self.error_type = error_type
+
+
 async def bounded(factory, seconds, cancel):
     """Return the result of factory() run as a task, unless `seconds` pass first or `cancel` is set."""
     if cancel.is_set():
         raise Stop("cancelled")
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
     job = asyncio.create_task(_await(factory))
     cancel_wait = asyncio.create_task(cancel.wait())
     try:
         await asyncio.wait((job, cancel_wait), timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
         if cancel.is_set():  # a set cancel wins, even over a job that also finished
             raise Stop("cancelled")
-        if not job.done():
+        if cancel_wait.done():  # it ended with the event not set: the wait itself failed, which is no timeout
+            raise _Fault("cancel event")
+        # A job that held the loop past its limit (a slow copy, a blocking call) finished late, not within it.
+        if not job.done() or loop.time() > end:
             raise TimeoutError
-        if job.cancelled() or isinstance(job.exception(), Stop):
-            # Nobody cancelled the job: it raised the runtime's own signals by itself. Passing them
-            # on would stop the run or cancel its task, so they count as a fault of the job.
-            raise RuntimeError("the job raised a runtime signal")
+        if job.cancelled():  # nobody cancelled the job: it raised CancelledError by itself
+            raise _Fault("CancelledError")
+        raised = type(job.exception())  # type(), not isinstance: an object's __class__ may run its code
+        if raised is not type(None) and (issubclass(raised, Stop) or not issubclass(raised, Exception)):
+            # Stop is the runtime's own signal, and a BaseException such as GeneratorExit would end the
+            # run's task: raised by the job, either is the job's fault, and the run goes on to say so.
+            raise _Fault(raised.__name__)
         return job.result()
     finally:
         await _settle(job, cancel_wait)
@@ -552,17 +578,22 @@ def _argument_error(name, spec, args):
             return reason
     if spec.validate is not None:  # your own check, for what a schema cannot say; it gets a copy to keep
         return None if _passes(spec.validate, _copy(args)) else "refused by validate"
-    if name in TOOLS:  # the inventory's tools: valid_args knows what their schemas cannot say
+    if spec.parameters is None:  # the article's ToolSpec(cost, read_only, parallel_safe): valid_args decides
         return None if valid_args(name, args) else "refused by valid_args"
-    return None if spec.parameters is not None else "no check declared"
+    return None
 
 
 def _passes(check, *args):
-    """True only if check(*args) returns True; a check that raises has not passed."""
+    """True only if check(*args) returns True; a check that raises, whatever it raises, has not passed."""
     try:
-        return check(*args) is True
-    except Exception:
+        verdict = check(*args)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:  # even a CancelledError: a plain function cannot be cancelled, so it is its fault
         return False
+    if inspect.iscoroutine(verdict):
+        verdict.close()  # a plain function that returned a coroutine: never awaited, and never left pending
+    return verdict is True
 
 
 def accepted(answer, history):
@@ -614,8 +645,8 @@ def _check_limits(limits):
             raise ValueError(f"{name} must be a finite number > 0")
 
 
-def _check_registry(registry):
-    """Raise ValueError, with a short message naming the tool, for a registry the runtime cannot honour."""
+def _checked_registry(registry):
+    """The run's own copy of registry; ValueError, with a short message naming the tool, for one it cannot honour."""
     if type(registry) is not dict:
         raise ValueError("registry must be a dict of ToolSpec")
     for name, spec in registry.items():
@@ -627,7 +658,8 @@ def _check_registry(registry):
             raise ValueError(f"{name}: cost must be an int >= 0")
         if type(spec.read_only) is not bool or type(spec.parallel_safe) is not bool:
             raise ValueError(f"{name}: read_only and parallel_safe must be bools")
-        if spec.validate is not None and (not callable(spec.validate) or _is_async(spec.validate)):
+        validate = spec.validate
+        if validate is not None and (not callable(validate) or _is_async(validate) or inspect.isclass(validate)):
             raise ValueError(f"{name}: validate must be a plain function or None")
         if type(spec.description) is not str:
             raise ValueError(f"{name}: description must be a string")
@@ -635,11 +667,23 @@ def _check_registry(registry):
             if spec.validate is None and name not in TOOLS:
                 raise ValueError(f"{name}: declare its parameters, a validate function, or both")
             continue
-        if not _is_data(spec.parameters) or type(spec.parameters) is not dict or spec.parameters.get("type") != "object":
-            raise ValueError(f"{name}: parameters must be a JSON Schema of type object")
+        if type(spec.parameters) is not dict or not _is_data(spec.parameters) or spec.parameters.get("type") != "object":
+            raise ValueError(f"{name}: parameters must be a JSON Schema of type object, in plain JSON data")
         problem = _schema_problem(spec.parameters)
         if problem:
             raise ValueError(f"{name}: {problem}")
+    # Schemas are copied: a schema dict edited while the run goes on cannot change what was checked.
+    return {name: replace(spec, parameters=_copy(spec.parameters)) if spec.parameters else spec
+            for name, spec in registry.items()}
+
+
+def _check_cancel(cancel, loop):
+    """Raise ValueError for a cancel event the runtime cannot wait on."""
+    if type(cancel) is not asyncio.Event:
+        raise ValueError("cancel must be an asyncio.Event")
+    # An Event belongs to the loop that first waited on it; on any other loop every wait fails at once.
+    if getattr(cancel, "_loop", None) not in (None, loop):
+        raise ValueError("cancel belongs to another event loop")
 
 
 def _is_async(function):
@@ -663,7 +707,7 @@ def _kind(decision):
 
 
 def _failure(item, error, retryable):
-    return {**copy.deepcopy(item), "ok": False, "error": error, "retryable": retryable}
+    return {**_copy(item), "ok": False, "error": error, "retryable": retryable}
 
 
 # What a tool raised -> (observation error, may the model retry). A Stop is the run's cancel or deadline.
@@ -678,20 +722,22 @@ TOOL_ERRORS = (
 
 def _tool_error(error):
     for raised, code, retryable in TOOL_ERRORS:
-        if isinstance(error, raised):
+        if issubclass(type(error), raised):  # type(), not isinstance: an object's __class__ may run its code
             return code or str(error), retryable
 
 
 async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None, registry=None, accept=accepted):
     """Run decisions and tool batches until an answer passes the final check or a rule stops the run."""
+    loop = asyncio.get_running_loop()
     limits = Limits() if limits is None else limits
     _check_limits(limits)
     tools = Fixtures() if fixtures is None else fixtures
     cancel = asyncio.Event() if cancel is None else cancel
-    registry = dict(TOOLS) if registry is None else registry
-    _check_registry(registry)
+    _check_cancel(cancel, loop)
+    registry = _checked_registry(TOOLS if registry is None else registry)
+    if not callable(accept) or _is_async(accept):
+        raise ValueError("accept must be a plain function")
 
-    loop = asyncio.get_running_loop()
     deadline = loop.time() + limits.total_seconds
     used = {"rounds": 0, "calls": 0, "credits": 0}
     history, trace = [], []
@@ -714,7 +760,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             return _failure(item, str(stop), False)
         used["calls"] += 1
         used["credits"] += registry[item["name"]].cost
-        own_copy = copy.deepcopy(item)  # a tool that edits its call cannot edit history
+        own_copy = _copy(item)  # a tool that edits its call cannot edit history
         try:
             data = await bounded(lambda: tools.invoke(own_copy), min(limits.tool_seconds, left), cancel)
         except Exception as error:
@@ -722,7 +768,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
         if not _is_data(data):  # an object with behaviour, a cycle, NaN: a broken tool
             return _failure(item, "tool_exception", False)
         # Stored as returned, not copied: who owns this object is the subject of result_ownership.py.
-        return {**copy.deepcopy(item), "ok": True, "data": data}
+        return {**_copy(item), "ok": True, "data": data}
 
     async def run_batch(batch, parallel):
         """Observations of the batch in request order, matched by call id, not by completion order."""
@@ -746,17 +792,18 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
 
     def finish(status, answer=None):
         trace.append({"event": "stop", "status": status, **used})
-        return copy.deepcopy({"status": status, "answer": answer, "used": used, "history": history, "trace": trace})
+        return _copy({"status": status, "answer": answer, "used": used, "history": history, "trace": trace})
 
     try:
         for turn in range(1, limits.rounds + 1):
             # Decide: the decision is paid before the model is asked, and never refunded.
-            left = time_left()
+            time_left()
             if used["credits"] + MODEL_COST > limits.credits:
                 raise Stop("credit_limit")
             used["rounds"] += 1
             used["credits"] += MODEL_COST
-            view = _fresh(history)  # the model's own copy, made fresh every round: it cannot edit our history
+            view = _copy(history)  # the model's own copy, made fresh every round: it cannot edit our history
+            left = time_left()  # read after the copy, which takes time too
             try:
                 decision = await bounded(lambda: model(view), min(limits.model_seconds, left), cancel)
             except Stop:
@@ -777,20 +824,23 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
                 if decision.keys() != {"kind", "answer"}:
                     raise Stop("invalid_decision")
                 answer = decision["answer"]
-                if _is_data(answer) and _passes(accept, answer, history):
-                    return finish("completed", answer)
-                raise Stop("invalid_final")
+                # The check gets copies: what it does to them changes neither the answer nor history.
+                if not _is_data(answer) or not _passes(accept, _copy(answer), _copy(history)):
+                    raise Stop("invalid_final")
+                time_left()  # an answer accepted only after the deadline came too late
+                return finish("completed", answer)
             if kind != "calls" or decision.keys() != {"kind", "calls"}:
                 raise Stop("invalid_decision")
 
             # Admit the whole batch, or nothing starts. Preflight's exact type checks run none of
             # the model's code; once admitted, the batch is plain data and safe to copy.
             ids, signatures = preflight(decision["calls"], used_ids, attempts, registry, limits)
-            batch = copy.deepcopy(decision["calls"])
+            batch = _copy(decision["calls"])
             if used["calls"] + len(batch) > limits.calls:
                 raise Stop("call_limit")
             if used["credits"] + sum(registry[item["name"]].cost for item in batch) > limits.credits:
                 raise Stop("credit_limit")
+            time_left()  # your validate functions ran on the loop: they may have used up the time
             used_ids |= ids
             attempts.update(signatures)
 
@@ -867,59 +917,76 @@ def main(argv=None):
 
 # PART 6: your own tools: plain and async functions behind the same runtime
 
+def _start_thread(work):
+    """A thread of its own for each call: no pool, so work the runtime gave up on never holds up a later
+    call; a daemon, so a function that never returns cannot keep the program from exiting."""
+    threading.Thread(target=work, daemon=True).start()
+
+
+async def _in_thread(function, kwargs, start=_start_thread, on_abandoned=None):
+    """Await function(**kwargs) run in a thread; if we are cancelled after the thread began, it runs on."""
+    outcome = concurrent.futures.Future()
+
+    def work():
+        if not outcome.set_running_or_notify_cancel():
+            return  # given up before its thread began: never run it
+        try:
+            outcome.set_result(function(**kwargs))
+        except BaseException as error:  # in a thread, even SystemExit is only this call's failure
+            raised = type(error)
+            # asyncio cannot carry a StopIteration into a future (on 3.11 and 3.12 the waiter would never
+            # wake up), and a BaseException would end the run: both pass on as a fault with the class name.
+            plain = issubclass(raised, Exception) and not issubclass(raised, StopIteration)
+            outcome.set_exception(error if plain else _Fault(raised.__name__))
+
+    start(work)
+    try:
+        return await asyncio.wrap_future(outcome)
+    except asyncio.CancelledError:
+        # A thread cannot be cancelled. One that has begun runs on to its end, and its late result
+        # lands in `outcome`, which nobody reads any more.
+        if not outcome.cancel() and not outcome.done() and on_abandoned is not None:
+            on_abandoned(outcome)
+        raise
+
+
 class FunctionTools:
-    """Tools made of functions: `await tools.invoke(call)` returns a deep copy of functions[name](**arguments)."""
+    """Tools made of functions: `await tools.invoke(call)` returns a copy of what functions[name](**arguments) gave."""
 
     def __init__(self, functions):
         self.functions = dict(functions)
         self.abandoned = []  # ids of calls whose thread was still running when the runtime stopped waiting
-        self._threads = []   # their futures, to wait for at shutdown
+        self._threads = []   # their futures, to wait for
 
     async def invoke(self, call):
-        """Run the call's function: awaited if it is async, else in a worker thread; copy the result at delivery."""
-        function, args = self.functions[call["name"]], call["arguments"]
-        if inspect.iscoroutinefunction(function):
+        """Run the call's function: awaited if it is async, else in a thread; copy the result at delivery."""
+        function, args, cid = self.functions[call["name"]], call["arguments"], call["call_id"]
+        if _is_async(function):
             result = await function(**args)
         else:
-            result = await self._in_thread(call["call_id"], function, args)
-        # Delivery: history gets an object nobody else holds (see result_ownership.py).
-        return copy.deepcopy(result)
-
-    async def _in_thread(self, cid, function, args):
-        outcome = concurrent.futures.Future()
-
-        def work():
-            if not outcome.set_running_or_notify_cancel():
-                return  # given up before a thread picked it up: never run it
-            try:
-                outcome.set_result(function(**args))
-            except Exception as error:
-                outcome.set_exception(error)
-            except BaseException as error:  # SystemExit in a thread is only this function's failure
-                outcome.set_exception(RuntimeError(f"the function raised {type(error).__name__}"))
-
-        self._start(work)
-        try:
-            return await asyncio.wrap_future(outcome)
-        except asyncio.CancelledError:
-            # A thread cannot be cancelled. If it has started, it runs on to its end and its
-            # late result lands in `outcome`, which nobody reads any more.
-            if not outcome.cancel() and not outcome.done():
+            def abandon(thread):
                 self.abandoned.append(cid)
-                self._threads.append(outcome)
-            raise
+                self._threads.append(thread)
+
+            result = await _in_thread(function, args, self._start, abandon)
+            if inspect.isawaitable(result):  # a plain callable that returned an awaitable: a lambda, say
+                result = await result
+        # Delivery: history gets an object nobody else holds (see result_ownership.py). What is not plain
+        # data goes on as it is, for the runtime to refuse.
+        return _copy(result) if _is_data(result) else result
 
     def _start(self, work):
-        # The loop's default executor, so asyncio.run() waits for these threads before it returns.
-        asyncio.get_running_loop().run_in_executor(None, work)
+        _start_thread(work)
 
     async def wait_abandoned(self, seconds):
         """Wait up to `seconds` for the abandoned threads to end; return True if none is still running."""
         running = [asyncio.wrap_future(thread) for thread in self._threads if not thread.done()]
-        if running:
-            await asyncio.wait(running, timeout=seconds)
+        try:
+            if running:
+                await asyncio.wait(running, timeout=seconds)
+        finally:  # also when this wait is cancelled: no waiter is left behind to log an unread outcome
             for waiter in running:
-                if waiter.done():
+                if waiter.done() and not waiter.cancelled():
                     waiter.exception()  # a late outcome, known and dropped
                 else:
                     waiter.cancel()  # stop waiting; the thread itself runs on
@@ -929,12 +996,9 @@ class FunctionTools:
 # PART 7: the scenario atlas: one small, deterministic run per stop status
 
 def scripted(*decisions):
-    """A model that answers round n with a copy of decisions[n - 1] (the last one repeats), whatever history says."""
-    asked = []
-
+    """A model that answers with a copy of decisions[len(history)] (the last one repeats), whatever history says."""
     async def model(history):
-        asked.append(len(history))
-        return copy.deepcopy(decisions[min(len(asked), len(decisions)) - 1])
+        return copy.deepcopy(decisions[min(len(history), len(decisions) - 1)])
 
     return model
 
@@ -1207,7 +1271,7 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the names all three providers
 
 def _declarations(registry):
     """(name, description, parameters, strict) for each tool; ValueError for a tool that cannot be offered."""
-    _check_registry(registry)
+    registry = _checked_registry(registry)
     declared = []
     for name, spec in registry.items():
         if spec.parameters is None:
@@ -1291,7 +1355,7 @@ async def _ask(create, request):
     if _is_async(create):
         reply = await create(**request)
     else:
-        reply = await asyncio.to_thread(create, **request)
+        reply = await _in_thread(create, request)
         if inspect.isawaitable(reply):
             reply = await reply
     # The official SDKs return pydantic objects; model_dump() gives the documented dict.
@@ -1328,11 +1392,11 @@ _RESPONSES_CUT_OFF = {"max_output_tokens": "truncated", "content_filter": "conte
 
 def from_responses(response):
     """Turn a Responses API reply (a dict) into a local decision."""
-    status = _field(response, "status")
-    if status is not None and status != "completed":
+    status = _text(response, "status")
+    if status != "completed":  # only a completed response may answer; the kind says what else it was
         if status == "incomplete":
             return {"kind": _RESPONSES_CUT_OFF.get(_text(response, "incomplete_details", "reason"), "incomplete")}
-        return {"kind": status if type(status) is str else "failed"}
+        return {"kind": status or "malformed"}
     calls, texts, refused = [], [], None
     for item in _items(response, "output"):
         if _text(item, "type") == "function_call":
@@ -1381,7 +1445,8 @@ def from_chat(completion):
     """Turn a Chat Completions reply (a dict) into a local decision: by the calls present, not by finish_reason."""
     choice = _field(completion, "choices", 0)
     message = _field(choice, "message")
-    refused = _CHAT_CUT_OFF.get(_text(choice, "finish_reason"))
+    finish = _text(choice, "finish_reason")  # only a reply that stopped by itself may answer
+    refused = None if finish in ("stop", "tool_calls") else _CHAT_CUT_OFF.get(finish, finish or "malformed")
     if refused is None and _field(message, "refusal") is not None:
         refused = "refusal"
     calls = [{"call_id": _field(tool_call, "id"), "name": _field(tool_call, "function", "name"),
@@ -1430,7 +1495,9 @@ def from_messages(message):
             calls.append({"call_id": _field(block, "id"), "name": _field(block, "name"), "arguments": _field(block, "input")})
         elif _text(block, "type") == "text":
             texts.append(_text(block, "text") or "")
-    return _decide(calls, "".join(texts), _MESSAGES_CUT_OFF.get(_text(message, "stop_reason")))
+    stop = _text(message, "stop_reason")  # only a reply that stopped by itself may answer
+    refused = None if stop in ("end_turn", "tool_use", "stop_sequence") else _MESSAGES_CUT_OFF.get(stop, stop or "malformed")
+    return _decide(calls, "".join(texts), refused)
 
 
 def messages_input(history):

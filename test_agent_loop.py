@@ -4,9 +4,11 @@
 """
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import functools
+import gc
 import http.server
 import json
 import math
@@ -164,8 +166,8 @@ class SchemaTests(unittest.TestCase):
     def test_registry_and_limits_have_the_contracts_values(self):
         self.assertEqual([f.name for f in dataclasses.fields(ToolSpec)],
                          ["cost", "read_only", "parallel_safe", "validate", "description", "parameters"])
-        self.assertEqual({name: (spec.cost, spec.read_only, spec.parallel_safe, spec.validate) for name, spec in TOOLS.items()},
-                         {"read_partition": (2, True, True, None), "compute_plan": (4, True, False, None)})
+        self.assertEqual({name: (spec.cost, spec.read_only, spec.parallel_safe) for name, spec in TOOLS.items()},
+                         {"read_partition": (2, True, True), "compute_plan": (4, True, False)})
         serial = dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)
         self.assertEqual((serial.cost, serial.read_only, serial.parallel_safe, serial.parameters),
                          (2, True, False, TOOLS["read_partition"].parameters))
@@ -346,11 +348,16 @@ class StrictSchemaTests(RuntimeTestCase):
             ({"minItems": 1}, [], "arguments: at least 1 items"), ({"maxItems": 1}, [1, 2], "arguments: at most 1 items"),
             (schema(required=["a"]), {}, "arguments: missing a"),
             (schema(properties={"a": {"type": "string"}}), {"a": 1}, "a: expected string"),
-            (schema(properties={}, additionalProperties=False), {"b": 1}, "b: not allowed"),
-            (schema(additionalProperties={"type": "integer"}), {"b": "1"}, "b: expected integer"),
+            (schema(properties={}, additionalProperties=False), {"b": 1}, "arguments: unexpected property"),
+            (schema(additionalProperties={"type": "integer"}), {"b": "1"}, "*: expected integer"),
+            (schema(properties={"scores": schema(additionalProperties={"type": "integer"})}), {"scores": {"ann": 1.5}},
+             "scores.*: expected integer"),
             (schema(properties={"rows": rows}), {"rows": [{"stock": 1}, {"stock": True}]}, "rows[1].stock: expected integer"),
             (schema(properties={"rows": rows}), {"rows": [{}, {}, {}]}, "rows: at most 2 items"),
-            (schema(additionalProperties=False), {"../etc": 1}, "?: not allowed"),  # a key from outside shows only if plain
+            # A reason names only what the schema names, never a key the model made up.
+            (schema(properties={"a": schema(additionalProperties=False)}), {"a": {"ignore_the_task": 1}},
+             "a: unexpected property"),
+            ({"pattern": "^[a-z]+$"}, "abc", None), ({"pattern": "^\\d+$"}, "\u0662\u0660", "arguments: does not match the pattern"),
             ({"type": "string", "format": "email", "title": "T", "description": "D", "default": "x", "examples": ["x"]},
              "not an email", None),  # annotations are ignored
         ]
@@ -374,8 +381,8 @@ class StrictSchemaTests(RuntimeTestCase):
             (schema(properties={"a": {"pattern": "("}}), "tool: parameters.properties.a.pattern: must be a regular expression"),
             (schema(required="a"), "tool: parameters.required: must be a list of names"),
             (schema(properties={"a": {"maximum": "9"}}), "tool: parameters.properties.a.maximum: must be a number"),
-            ({"type": "array"}, "tool: parameters must be a JSON Schema of type object"),
-            (schema(default=float("nan")), "tool: parameters must be a JSON Schema of type object"),
+            ({"type": "array"}, "tool: parameters must be a JSON Schema of type object, in plain JSON data"),
+            (schema(default=float("nan")), "tool: parameters must be a JSON Schema of type object, in plain JSON data"),
         ]
         for parameters, message in cases:
             with self.subTest(message=message):
@@ -399,12 +406,40 @@ class StrictSchemaTests(RuntimeTestCase):
             (ToolSpec(1, True, True, validate=functools.partial(async_check)), "tool: validate must be a plain function or None"),
             (ToolSpec(1, True, True, validate=AsyncCall()), "tool: validate must be a plain function or None"),
             (ToolSpec(1, True, True, description=None, parameters=schema()), "tool: description must be a string"),
+            (ToolSpec(1, True, True, validate=bool, parameters=schema()), "tool: validate must be a plain function or None"),
         ]
         for spec, message in cases:
             with self.subTest(message=message):
                 with self.assertRaises(ValueError) as raised:
                     await run_agent(fixtures=FunctionTools({"tool": dict}), registry={"tool": spec})
                 self.assertEqual(str(raised.exception), message)
+
+    async def test_a_tool_of_your_own_under_an_inventory_name_is_checked_by_its_own_declaration(self):
+        parameters = schema(properties={"table": {"type": "string"}, "partition": {"type": "integer"}})
+        registry = {"read_partition": ToolSpec(1, True, True, parameters=parameters)}
+        tools = FunctionTools({"read_partition": lambda table, partition: {"rows": []}})
+        result = await run_agent(scripted(calls(call("a", table="orders", partition=3))), fixtures=tools, registry=registry,
+                                 limits=dataclasses.replace(ROOMY, rounds=1))
+        self.assertEqual((result["status"], observations(result)[0]["data"]), ("round_limit", {"rows": []}))
+
+    async def test_the_articles_three_field_registry_keeps_valid_args(self):
+        registry = {"read_partition": ToolSpec(2, True, True), "compute_plan": ToolSpec(4, True, False)}
+        self.assertEqual((await run_agent(registry=registry, limits=ROOMY))["status"], "completed")
+        twice = {"rows": [ALL_ROWS[0], {**ALL_ROWS[0], "stock": 5}]}
+        result = await run_agent(scripted(calls(call("p", "compute_plan", **twice))), registry=registry, limits=ROOMY)
+        self.assertEqual(result["status"], "invalid_arguments")
+
+    async def test_a_schema_edited_while_the_run_goes_on_changes_nothing_it_checks(self):
+        parameters = schema(properties={"n": {"type": "integer"}}, required=["n"])
+        registry = {"f": ToolSpec(1, True, True, parameters=parameters)}
+
+        def edits_the_schema(n):
+            parameters["properties"]["n"]["type"] = "no such type"
+            return {"n": n}
+
+        model = scripted(calls(call("a", "f", n=1)), calls(call("b", "f", n=2)), calls(call("c", "f", n="3")))
+        result = await run_agent(model, fixtures=FunctionTools({"f": edits_the_schema}), registry=registry, limits=ROOMY)
+        self.assertEqual((result["status"], result["used"]["calls"]), ("invalid_arguments", 2))
 
     def test_preflight_keeps_the_reason_and_the_call_it_refused(self):
         registry = {"convert": CONVERSION_TOOLS["convert"]}
@@ -801,7 +836,7 @@ class RunAgentTests(RuntimeTestCase):
         self.assertEqual(result["used"], {"rounds": 1, "calls": 0, "credits": 3})
         self.assertNoPrivateText(result)
 
-    def test_the_models_copy_of_history_equals_a_deepcopy_and_shares_no_container(self):
+    def test_the_copy_of_admitted_data_is_exact_and_shares_no_container(self):
         def containers(value):
             if type(value) in (dict, list):
                 yield value
@@ -809,12 +844,12 @@ class RunAgentTests(RuntimeTestCase):
                     yield from containers(item)
 
         rows = copy.deepcopy(ALL_ROWS)
-        data = [{"round": 1, "calls": [call("a", "compute_plan", rows=rows)], "nested": [[1.5, None, True, "x"], {}]},
-                {"shared": rows, "odd": (1, [2])}]
-        fresh = agent_loop._fresh(data)
-        self.assertEqual(fresh, copy.deepcopy(data))
-        self.assertFalse({id(c) for c in containers(data)} & {id(c) for c in containers(fresh)})
-        self.assertIsNot(fresh[1]["odd"][1], data[1]["odd"][1])  # not plain data: deep-copied
+        data = [{"round": 1, "calls": [call("a", "compute_plan", rows=rows)], "atoms": [1.5, -0.0, None, True, "x", -2**63]},
+                {"shared": rows, "again": rows}]
+        copied = agent_loop._copy(data)
+        self.assertEqual(canonical(copied), canonical(data))  # equal, types included: a bool stays a bool
+        self.assertEqual(repr(copied[0]["atoms"]), repr(data[0]["atoms"]))  # -0.0 keeps its sign
+        self.assertFalse({id(c) for c in containers(data)} & {id(c) for c in containers(copied)})
 
     async def test_the_models_history_is_a_copy(self):
         async def vandal(history):
@@ -1802,7 +1837,13 @@ class ProviderBridgeTests(RuntimeTestCase):
             (agent_loop.chat_model, chat_reply("", finish_reason="content_filter"), "content_filter"),
             (agent_loop.chat_model, chat_reply(None, [tool_call("c1", "read_partition", north)], finish_reason="length"), "truncated"),
             (agent_loop.chat_model, chat_reply(None), "empty"),
-            (agent_loop.chat_model, {"choices": []}, "empty"),
+            (agent_loop.chat_model, {"choices": []}, "malformed"),
+            (agent_loop.chat_model, chat_reply(json.dumps(PLAN), finish_reason=None), "malformed"),
+            (agent_loop.chat_model, chat_reply(json.dumps(PLAN), finish_reason="error"), "error"),
+            (agent_loop.responses_model, {"output": [message(output_text(json.dumps(PLAN)))],
+                                          "incomplete_details": {"reason": "max_output_tokens"}}, "malformed"),
+            (agent_loop.responses_model, responses_reply(message(output_text(json.dumps(PLAN))), status="in_progress"),
+             "in_progress"),
         ]
         for make_model, reply, kind in cases:
             with self.subTest(kind=kind, reply=reply):
@@ -1883,6 +1924,11 @@ class ProviderBridgeTests(RuntimeTestCase):
             (schema(properties={"a": {"anyOf": [{"type": "null"}, schema(properties=closed, required=["a"],
                                                                           additionalProperties=False)]}},
                     required=["a"], additionalProperties=False), True),
+            (schema(properties={"a": {}}, required=["a"], additionalProperties=False), False),  # untyped: anything
+            (schema(properties={"a": {"additionalProperties": {"type": "integer"}}}, required=["a"],
+                    additionalProperties=False), False),  # an open map without a type
+            (schema(properties={"a": {"type": "array"}}, required=["a"], additionalProperties=False), False),  # any items
+            (schema(properties={"a": {"enum": [1, "x"]}}, required=["a"], additionalProperties=False), True),
         ]
         for parameters, strict in cases:
             with self.subTest(parameters=parameters):
@@ -1892,7 +1938,7 @@ class ProviderBridgeTests(RuntimeTestCase):
 
     def test_a_tool_the_providers_cannot_be_offered_is_refused_when_the_model_is_built(self):
         cases = [
-            ({"tool": ToolSpec(1, True, True, validate=bool)}, "tool: no parameters to offer the model"),
+            ({"tool": ToolSpec(1, True, True, validate=lambda args: True)}, "tool: no parameters to offer the model"),
             ({"read.file": ToolSpec(1, True, True, parameters=schema())}, "read.file: a tool name must be 1 to 64 letters, digits, _ or -"),
             ({"tool": ToolSpec(1, True, True, parameters=schema(oneOf=[]))}, "tool: parameters: unsupported keyword oneOf"),
         ]
@@ -1921,6 +1967,9 @@ class ProviderBridgeTests(RuntimeTestCase):
             (anthropic_reply(stop_reason="model_context_window_exceeded"), {"kind": "truncated"}),
             (anthropic_reply(text_block("Searching..."), stop_reason="pause_turn"), {"kind": "paused"}),
             (anthropic_reply(), {"kind": "empty"}),
+            (anthropic_reply(text_block(json.dumps(PLAN)), stop_reason=None), {"kind": "malformed"}),
+            (anthropic_reply(text_block(json.dumps(PLAN)), stop_reason="a_new_reason"), {"kind": "a_new_reason"}),
+            (anthropic_reply(text_block(json.dumps(PLAN)), stop_reason="stop_sequence"), final(PLAN)),
             (anthropic_reply(text_block("  ")), {"kind": "empty"}),
         ]
         for reply, decision in cases:
@@ -2650,11 +2699,15 @@ def nested(levels):
 
 
 class DataLimitTests(RuntimeTestCase):
-    """What enters history must be plain JSON data: nested at most 32 deep, integers within signed 64 bits."""
+    """What enters history must be plain JSON data: nested at most 32 deep, at most 100,000 values, integers within
+    signed 64 bits, strings of Unicode text."""
 
     CASES = [  # (value, admitted)
         (nested(32), True), (nested(33), False), ({"a": nested(31)}, True), ({"a": nested(32)}, False),
         (2**63 - 1, True), (2**63, False), (-2**63, True), (-2**63 - 1, False), (2**64 - 1, False),
+        ([0] * 99_999, True), ([0] * 100_000, False),  # 100,000 values at most, the list itself included
+        ([[0] * 49_998, [0] * 49_999], True), ([[0] * 49_999, [0] * 49_999], False),
+        ([json.loads('"\\ud83d\\ude00"')], True), ([json.loads('"\\ud83d"')], False),  # a surrogate pair is text; half is not
     ]
 
     async def test_a_tools_result_within_the_limits_is_delivered_and_beyond_them_refused(self):
@@ -2674,7 +2727,8 @@ class DataLimitTests(RuntimeTestCase):
 
     async def test_arguments_within_the_limits_reach_your_check_and_beyond_them_are_refused(self):
         registry = {"echo": ToolSpec(1, True, True, validate=lambda args: True)}
-        cases = [({"x": value}, admitted) for value, admitted in self.CASES[4:]]  # the integers
+        cases = [({"x": value}, admitted) for value, admitted in self.CASES[4:9]]  # the integers
+        cases += [({"x": [0] * 99_998}, True), ({"x": [0] * 99_999}, False)]  # 100,000 values, the object included
         cases += [({"x": nested(31)}, True), ({"x": nested(32)}, False)]  # the arguments object is a level too
         for arguments, admitted in cases:
             with self.subTest(arguments=repr(arguments)[:30], admitted=admitted):
@@ -2905,6 +2959,285 @@ class InvariantTests(RuntimeTestCase):
                 result = await run_agent(model, fixtures=fixtures, accept=lambda answer, history: True, limits=ROOMY)
                 self.assertEqual((result["status"], result["used"]["calls"]), (status, 0))
                 self.assertInvariants(result, ROOMY, fixtures, "specific", default_accept=False)
+
+
+def unfolding(levels=5, width=1000):
+    """A few KB that unfold into width**levels paths: every level is one list, shared width times."""
+    value = []
+    for _ in range(levels):
+        value = [value] * width
+    return value
+
+
+class ForgedClass(Exception):
+    """An exception whose __class__ runs code: it raises the runtime's own Stop with a status of its choosing."""
+
+    @property
+    def __class__(self):
+        raise Stop("private status")
+
+
+class CustomBase(BaseException):
+    pass
+
+
+def on_another_loop(event):
+    """Bind event to an event loop of another thread, as a cancel event used in an earlier asyncio.run would be."""
+    async def bind():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), 0.01)
+
+    thread = threading.Thread(target=asyncio.run, args=(bind(),))
+    thread.start()
+    thread.join()
+    return event
+
+
+def garbage_replies(rng, count):
+    """Replies shaped like the providers' with plain data of the wrong type in random places."""
+    shapes = [responses_reply(message(output_text("x")), fc("c", "read_partition", {"partition": "north"})),
+              chat_reply("x", [tool_call("c", "read_partition", {"partition": "north"})], "tool_calls"),
+              anthropic_reply(text_block("x"), tool_use("c", "read_partition", {"partition": "north"}), stop_reason="tool_use")]
+    junk = [None, 0, 7.5, True, "", "text", [], [1, "a"], {}, {"type": "function_call"}, [{"type": None}]]
+
+    def spoil(value, depth=0):
+        if type(value) is dict and value and rng.random() < 0.8:
+            key = rng.choice(list(value))
+            return {**value, key: spoil(value[key], depth + 1) if rng.random() < 0.6 else rng.choice(junk)}
+        if type(value) is list and value and rng.random() < 0.8:
+            index = rng.randrange(len(value))
+            return value[:index] + [spoil(value[index], depth + 1)] + value[index + 1:]
+        return rng.choice(junk)
+
+    return [spoil(rng.choice(shapes)) for _ in range(count)]
+
+
+class HostileReviewTests(RuntimeTestCase):
+    """Eleven ways a hostile review broke "What holds whatever comes in", each pinned by its point's number."""
+
+    async def test_1_shared_sub_lists_that_unfold_into_10_to_the_15_paths_are_refused_within_the_deadline(self):
+        class Unfolds(Fixtures):
+            async def invoke(self, call):
+                await super().invoke(call)
+                return unfolding()
+
+        loop = asyncio.get_running_loop()
+        limits = Limits(tool_seconds=5, model_seconds=5, total_seconds=0.5)
+        for how, model, fixtures, status in (
+                ("an answer", scripted(final(unfolding())), Fixtures(), "invalid_final"),
+                ("a tool's result", scripted(calls(call("a", partition="north"))), Unfolds(delays={}), "tool_exception")):
+            with self.subTest(how=how):
+                start = loop.time()
+                result = await run_agent(model, fixtures=fixtures, limits=limits, accept=lambda answer, history: True)
+                self.assertLess(loop.time() - start, 3)
+                self.assertEqual(result["status"], status)
+
+    async def test_2_a_stop_iteration_from_a_plain_function_is_a_fault_not_a_timeout(self):
+        def no_match(**args):
+            return next(iter([]))
+
+        registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
+        result = await run_agent(scripted(calls(call("a", "f"))), fixtures=FunctionTools({"f": no_match}), registry=registry,
+                                 limits=dataclasses.replace(ROOMY, rounds=1))
+        self.assertEqual((errors(result), result["status"]), (["tool_exception"], "tool_exception"))
+        result = await run_agent(agent_loop.responses_model(no_match, "task"), limits=ROOMY)
+        self.assertEqual(result["status"], "model_exception")
+
+    async def test_3_abandoned_threads_never_starve_a_later_call(self):
+        gate = threading.Event()
+        self.addCleanup(gate.set)
+
+        def hangs(n):
+            gate.wait(30)
+
+        def instant(n):
+            return {"n": n}
+
+        async def model(history):  # 36 hanging calls, 4 a round, then one instant call, then an answer
+            number = len(history)
+            if number < 9:
+                return calls(*(call(f"h{number}-{i}", "hang", n=number * 4 + i) for i in range(4)))
+            return calls(call("i", "instant", n=0)) if number == 9 else final("done")
+
+        registry = {name: ToolSpec(0, True, True, validate=lambda args: True) for name in ("hang", "instant")}
+        tools = FunctionTools({"hang": hangs, "instant": instant})
+        limits = Limits(rounds=11, calls=40, credits=100, tool_seconds=0.05, model_seconds=5, total_seconds=30)
+        result = await run_agent(model, fixtures=tools, registry=registry, limits=limits, accept=lambda answer, history: True)
+        self.assertEqual((result["status"], len(tools.abandoned)), ("completed", 36))
+        self.assertEqual(observations(result)[-1]["data"], {"n": 0})  # admitted, started and finished at once
+        # The bridge's plain create as well: a call that is admitted actually starts.
+        plain_create = Recorder(responses_reply(message(output_text(json.dumps(PLAN)))))
+        result = await run_agent(agent_loop.responses_model(plain_create, "task"), limits=ROOMY)
+        self.assertEqual((result["status"], len(plain_create.requests)), ("invalid_final", 1))
+
+    async def test_4_other_base_exceptions_from_a_model_or_a_tool_are_their_fault(self):
+        faults = [GeneratorExit(), CustomBase(), BaseExceptionGroup("group", [GeneratorExit()])]
+        for fault in faults:
+            async def model(history, fault=fault):
+                raise fault
+
+            class Raises(Fixtures):
+                async def invoke(self, call, fault=fault):
+                    await super().invoke(call)
+                    raise fault
+
+            with self.subTest(fault=type(fault).__name__):
+                result = await run_agent(model, limits=ROOMY)
+                self.assertEqual(result["status"], "model_exception")
+                result = await run_agent(fixtures=Raises(delays={}), limits=ROOMY)  # a parallel batch
+                self.assertEqual((result["status"], errors(result)), ("tool_exception", ["tool_exception"] * 2))
+                self.assertEqual(asyncio.current_task().cancelling(), 0)
+        for escape in (asyncio.CancelledError(), GeneratorExit(), CustomBase()):
+            def raises(*args, escape=escape):
+                raise escape
+
+            with self.subTest(escape=type(escape).__name__):
+                self.assertEqual((await run_agent(accept=raises, limits=ROOMY))["status"], "invalid_final")
+                registry = {"get_rate": dataclasses.replace(CONVERSION_TOOLS["get_rate"], validate=raises)}
+                model = scripted(calls(call("r", "get_rate", base="EUR", quote="USD")))
+                result = await run_agent(model, fixtures=FunctionTools(RateDesk().functions()), registry=registry, limits=ROOMY)
+                self.assertEqual(result["status"], "invalid_arguments")
+                self.assertEqual(asyncio.current_task().cancelling(), 0)
+
+    async def test_5_a_cancel_the_runtime_cannot_wait_on_is_refused_before_the_model_is_asked(self):
+        for cancel, message in ((threading.Event(), "cancel must be an asyncio.Event"),
+                                (on_another_loop(asyncio.Event()), "cancel belongs to another event loop")):
+            with self.subTest(message=message):
+                asked = []
+                with self.assertRaises(ValueError) as raised:
+                    await run_agent(scripted(asked.append), cancel=cancel, limits=ROOMY)
+                self.assertEqual((str(raised.exception), asked), (message, []))
+        # And bounded itself never reads a wait that failed as a timeout.
+        fixtures = Fixtures(delays={"north": 10})
+        with self.assertRaises(Exception) as raised:
+            await bounded(lambda: fixtures.invoke(call("a", partition="north")), 5, on_another_loop(asyncio.Event()))
+        self.assertNotIsInstance(raised.exception, TimeoutError)
+        self.assertEqual((fixtures.cancelled, fixtures.active), (["a"], 0))
+
+    async def test_6_whatever_returns_an_awaitable_is_awaited(self):
+        async def rate(base, quote):
+            return {"rate_micros": 1_085_000}
+
+        class AsyncCall:
+            async def __call__(self, base, quote):
+                return await rate(base, quote)
+
+        for function in (AsyncCall(), functools.partial(rate), lambda **args: rate(**args)):
+            with self.subTest(function=function):
+                registry = {"get_rate": CONVERSION_TOOLS["get_rate"]}
+                result = await run_agent(scripted(calls(call("r", "get_rate", base="EUR", quote="USD"))), registry=registry,
+                                         fixtures=FunctionTools({"get_rate": function}), limits=dataclasses.replace(ROOMY, rounds=1))
+                self.assertEqual(observations(result)[0]["data"], {"rate_micros": 1_085_000})
+        reply = responses_reply(message(output_text("an answer")))
+
+        async def create(**request):
+            return reply
+
+        class AsyncCreate:
+            async def __call__(self, **request):
+                return reply
+
+        for create_method in (AsyncCreate(), functools.partial(create), lambda **request: create(**request)):
+            with self.subTest(create=create_method):
+                result = await run_agent(agent_loop.responses_model(create_method, "task"), limits=ROOMY)
+                self.assertEqual((result["status"], result["trace"][0]["kind"]), ("invalid_final", "final"))
+
+    async def test_8_a_cancelled_wait_for_abandoned_threads_leaves_no_unread_outcome(self):
+        gate, started = threading.Event(), threading.Event()
+
+        def fails_late():
+            started.set()
+            gate.wait(30)
+            raise RuntimeError("private late failure")
+
+        tools = FunctionTools({"f": fails_late})
+        registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
+        await run_agent(scripted(calls(call("a", "f"))), fixtures=tools, registry=registry,
+                        limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.05))
+        self.assertEqual(tools.abandoned, ["a"])
+        with self.assertRaises(TimeoutError):
+            await asyncio.wait_for(tools.wait_abandoned(30), 0.05)
+        with self.assertNoLogs("asyncio", level="ERROR"):
+            gate.set()
+            self.assertTrue(await tools.wait_abandoned(30))
+            for _ in range(3):
+                await asyncio.sleep(0)
+            del tools
+            gc.collect()
+
+    def test_9_malformed_replies_never_make_a_bridge_raise(self):
+        rng = random.Random(SEED)
+        for reply in garbage_replies(rng, 600):
+            for read in (agent_loop.from_responses, agent_loop.from_chat, agent_loop.from_messages):
+                with self.subTest(reply=reply, read=read.__name__):
+                    decision = read(reply)
+                    self.assertIs(type(decision), dict)
+                    self.assertIs(type(decision["kind"]), str)
+
+    async def test_10_an_exception_cannot_forge_a_status_through_its_class(self):
+        async def model(history):
+            raise ForgedClass()
+
+        class Raises(Fixtures):
+            async def invoke(self, call):
+                await super().invoke(call)
+                raise ForgedClass()
+
+        self.assertEqual((await run_agent(model, limits=ROOMY))["status"], "model_exception")
+        result = await run_agent(fixtures=Raises(delays={}), limits=ROOMY)
+        self.assertEqual((result["status"], errors(result)), ("tool_exception", ["tool_exception"] * 2))
+        self.assertNoPrivateText(result)
+
+    async def test_11_work_that_finishes_after_its_limit_does_not_count_as_within_it(self):
+        self.allowBlockingSteps()
+
+        def slow_accept(answer, history):
+            time.sleep(0.7)
+            return True
+
+        result = await run_agent(accept=slow_accept, limits=Limits(tool_seconds=5, model_seconds=5, total_seconds=0.5))
+        self.assertEqual(result["status"], "deadline")  # it accepted, but only after the deadline
+
+        async def blocks(**args):
+            time.sleep(0.3)  # holds the loop, so no timer can fire until it returns
+            return {"late": True}
+
+        registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
+        result = await run_agent(scripted(calls(call("a", "f"))), fixtures=FunctionTools({"f": blocks}), registry=registry,
+                                 limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.1))
+        self.assertEqual(errors(result), ["tool_timeout"])
+
+        def empties(answer, history):
+            history.clear()
+            answer.clear()
+            return True
+
+        result = await run_agent(accept=empties, limits=ROOMY)
+        self.assertEqual((result["status"], len(result["history"]), result["answer"]), ("completed", 2, PLAN))
+
+        async def async_accept(answer, history):
+            return True
+
+        with self.assertRaises(ValueError) as raised:
+            await run_agent(accept=async_accept, limits=ROOMY)
+        self.assertEqual(str(raised.exception), "accept must be a plain function")
+
+    async def test_11_the_time_left_is_read_after_the_copy_of_history(self):
+        self.allowBlockingSteps()
+        asked, real_copy = [], agent_loop._copy
+
+        def slow_copy(value):
+            if type(value) is list and value and "round" in value[0]:
+                time.sleep(0.4)  # a copy of history that takes longer than the time left
+            return real_copy(value)
+
+        async def model(history):
+            asked.append(len(history))
+            return await fake_model(history)
+
+        with unittest.mock.patch.object(agent_loop, "_copy", slow_copy):
+            result = await run_agent(model, limits=Limits(tool_seconds=5, model_seconds=5, total_seconds=0.3))
+        self.assertEqual((result["status"], asked), ("deadline", [0]))  # round 2's model never started
 
 
 # The result-ownership experiment (result_ownership.py, verify_ownership.py, expected.json)
