@@ -20,6 +20,7 @@ import re
 import statistics
 import threading
 import time
+import types
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -60,10 +61,10 @@ MAX_VALUES = 100_000  # more than any model's context holds as JSON anyway
 _SURROGATE = re.compile("[\ud800-\udfff]")  # half of a UTF-16 pair, alone: valid in a str, not in UTF-8
 
 
-def _is_data(value):
+def _is_data(value, depth=0):
     """True if value is plain JSON data within the limits: dicts with str keys, lists, str, bool, None,
-    signed 64-bit ints, finite floats."""
-    count, depth, level = 1, 0, [value]
+    signed 64-bit ints, finite floats. `depth` says how deep value sits in what it belongs to."""
+    count, level = 1, [value]
     while level:  # one level of nesting at a time
         inner = []
         for item in level:
@@ -81,6 +82,8 @@ def _is_data(value):
                 if of is dict:
                     if item and set(map(type, item)) != {str}:
                         return False
+                    if not all(map(str.isascii, item)) and any(map(_SURROGATE.search, item)):
+                        return False
                     item = item.values()
                 inner.extend(item)
             elif of is float:
@@ -96,6 +99,22 @@ def _copy(value):
     """An independent copy of plain data, made in C: only for what _is_data has admitted, as marshal keeps
     every type (a bool stays a bool, a float keeps its bits) and may not be given anything from outside."""
     return marshal.loads(marshal.dumps(value))
+
+
+def _snapshot(value):
+    """A private copy of a value from outside, or None if marshal cannot copy it. marshal takes it in one step
+    that no other thread can interleave with and runs no code of the value's; every check then runs on the
+    copy, so what is checked is what is kept. (A copy, not yet data: a tuple or a set is copied as it is.)"""
+    try:
+        return marshal.loads(marshal.dumps(value))
+    except Exception:  # an object marshal does not know, or nesting deeper than it goes
+        return None
+
+
+def _discard(value):
+    """Close a coroutine that is refused or left unread, so it never warns that it was not awaited."""
+    if type(value) is types.CoroutineType:
+        value.close()
 
 
 def _has_keys(value, keys):
@@ -432,7 +451,7 @@ class Fixtures:
             if fault == "timeout":
                 await asyncio.sleep(10)  # only a timeout or a cancel ends this
             if name == "read_partition":
-                result = {"snapshot": SNAPSHOT, "partition": key, "rows": copy.deepcopy(DATA[key])}
+                result = {"snapshot": SNAPSHOT, "partition": key, "rows": _copy(DATA[key])}
                 if self.inject:
                     result["note"] = NOTE
                 return result
@@ -457,15 +476,26 @@ async def bounded(factory, seconds, cancel):
     """Return the result of factory() run as a task, unless `seconds` pass first or `cancel` is set."""
     if cancel.is_set():
         raise Stop("cancelled")
+    cancel_wait = asyncio.create_task(asyncio.Event.wait(cancel))  # the class's wait: an instance cannot replace it
+    try:
+        return await _bounded(factory, seconds, cancel, cancel_wait)
+    finally:
+        await _settle(cancel_wait)
+
+
+async def _bounded(factory, seconds, cancel, cancel_wait):
+    """bounded(), given a task that waits on the cancel event: run_agent keeps one for the whole run, which
+    spares every wait a task of its own."""
+    if _was_set(cancel, cancel_wait):
+        raise Stop("cancelled")
     loop = asyncio.get_running_loop()
     end = loop.time() + seconds
     job = asyncio.create_task(_await(factory))
-    cancel_wait = asyncio.create_task(cancel.wait())
     try:
-        await asyncio.wait((job, cancel_wait), timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-        if cancel.is_set():  # a set cancel wins, even over a job that also finished
+        await _first(job, cancel_wait, seconds)
+        if _was_set(cancel, cancel_wait):  # a set cancel wins, even over a job that also finished
             raise Stop("cancelled")
-        if cancel_wait.done():  # it ended with the event not set: the wait itself failed, which is no timeout
+        if cancel_wait.done():  # it ended, but not because the event was set: the wait failed, which is no timeout
             raise _Fault("cancel event")
         # A job that held the loop past its limit (a slow copy, a blocking call) finished late, not within it.
         if not job.done() or loop.time() > end:
@@ -476,10 +506,35 @@ async def bounded(factory, seconds, cancel):
         if raised is not type(None) and (issubclass(raised, Stop) or not issubclass(raised, Exception)):
             # Stop is the runtime's own signal, and a BaseException such as GeneratorExit would end the
             # run's task: raised by the job, either is the job's fault, and the run goes on to say so.
-            raise _Fault(raised.__name__)
+            raise _Fault(_class_name(raised))
         return job.result()
     finally:
-        await _settle(job, cancel_wait)
+        await _settle(job)
+
+
+def _was_set(cancel, cancel_wait):
+    """True if the cancel event is set, or was set since cancel_wait began: a set() undone at once still cancels."""
+    return cancel.is_set() or cancel_wait.done() and not cancel_wait.cancelled() and cancel_wait.exception() is None
+
+
+async def _first(job, cancel_wait, seconds):
+    """Wait until the job ends, the cancel wait ends, or `seconds` pass: asyncio.wait(FIRST_COMPLETED), pared down."""
+    loop = asyncio.get_running_loop()
+    woken = loop.create_future()
+
+    def wake(_=None):
+        if not woken.done():
+            woken.set_result(None)
+
+    timer = loop.call_later(seconds, wake)
+    job.add_done_callback(wake)
+    cancel_wait.add_done_callback(wake)
+    try:
+        await woken
+    finally:
+        timer.cancel()
+        job.remove_done_callback(wake)
+        cancel_wait.remove_done_callback(wake)
 
 
 async def _await(factory):
@@ -532,7 +587,7 @@ async def fake_model(history):
         # The very row objects of the history we were given, not copies.
         rows = [row for partition in DATA for row in reads[partition]["rows"]]
         return {"kind": "calls", "calls": [call(f"r{number}-plan", "compute_plan", rows=rows)]}
-    return {"kind": "final", "answer": copy.deepcopy(plan)}
+    return {"kind": "final", "answer": _copy(plan)}
 
 
 # PART 3: preflight of a whole batch, and the independent final check
@@ -591,8 +646,7 @@ def _passes(check, *args):
         raise
     except BaseException:  # even a CancelledError: a plain function cannot be cancelled, so it is its fault
         return False
-    if inspect.iscoroutine(verdict):
-        verdict.close()  # a plain function that returned a coroutine: never awaited, and never left pending
+    _discard(verdict)  # a plain function that returned a coroutine: it is not awaited, and not left pending
     return verdict is True
 
 
@@ -614,7 +668,7 @@ def accepted(answer, history):
             return False
 
     # Recompute the plan with arithmetic of our own, not by calling make_plan.
-    rows = [copy.deepcopy(row) for partition in DATA for row in DATA[partition]]
+    rows = _copy([row for partition in DATA for row in DATA[partition]])
     items = []
     for row in rows:
         short = row["target"] - row["stock"]
@@ -658,8 +712,7 @@ def _checked_registry(registry):
             raise ValueError(f"{name}: cost must be an int >= 0")
         if type(spec.read_only) is not bool or type(spec.parallel_safe) is not bool:
             raise ValueError(f"{name}: read_only and parallel_safe must be bools")
-        validate = spec.validate
-        if validate is not None and (not callable(validate) or _is_async(validate) or inspect.isclass(validate)):
+        if spec.validate is not None and not _plain_function(spec.validate):
             raise ValueError(f"{name}: validate must be a plain function or None")
         if type(spec.description) is not str:
             raise ValueError(f"{name}: description must be a string")
@@ -687,8 +740,25 @@ def _check_cancel(cancel, loop):
 
 
 def _is_async(function):
-    """True if calling function gives a coroutine: an async def, a partial of one, an object with async __call__."""
-    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None))
+    """True if calling function gives a coroutine or an async generator, as far as inspect can tell: an async def, a
+    partial or a staticmethod of one, an object with async __call__; None if inspect cannot tell."""
+    try:
+        if type(function) is staticmethod:
+            function = function.__func__
+        candidates = (function, getattr(function, "__call__", None))
+        return any(inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f) for f in candidates)
+    except Exception:  # an object whose attributes raise
+        return None
+
+
+def _plain_function(function):
+    """True if function can serve as a plain check: callable, not a class, and not async as far as inspect can tell."""
+    return callable(function) and not issubclass(type(function), type) and _is_async(function) is False
+
+
+def _class_name(kind):
+    """The class's own name, read without running any code of the class or its metaclass."""
+    return type.__dict__["__name__"].__get__(kind)
 
 
 def _finite(number):
@@ -735,7 +805,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
     cancel = asyncio.Event() if cancel is None else cancel
     _check_cancel(cancel, loop)
     registry = _checked_registry(TOOLS if registry is None else registry)
-    if not callable(accept) or _is_async(accept):
+    if not _plain_function(accept):
         raise ValueError("accept must be a plain function")
 
     deadline = loop.time() + limits.total_seconds
@@ -745,7 +815,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
 
     def time_left():
         """Raise Stop if the run is cancelled or past its deadline; else return the seconds left."""
-        if cancel.is_set():
+        if _was_set(cancel, cancel_wait):
             raise Stop("cancelled")
         left = deadline - loop.time()
         if left <= 0:
@@ -762,7 +832,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
         used["credits"] += registry[item["name"]].cost
         own_copy = _copy(item)  # a tool that edits its call cannot edit history
         try:
-            data = await bounded(lambda: tools.invoke(own_copy), min(limits.tool_seconds, left), cancel)
+            data = await _bounded(lambda: tools.invoke(own_copy), min(limits.tool_seconds, left), cancel, cancel_wait)
         except Exception as error:
             return _failure(item, *_tool_error(error))
         if not _is_data(data):  # an object with behaviour, a cycle, NaN: a broken tool
@@ -773,7 +843,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
     async def run_batch(batch, parallel):
         """Observations of the batch in request order, matched by call id, not by completion order."""
         by_id = {}
-        if parallel:
+        if parallel and len(batch) > 1:
             async def run_one(item):
                 by_id[item["call_id"]] = await observe(item)
 
@@ -790,10 +860,33 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
                 aborted = not obs["ok"] and not obs["retryable"]
         return [by_id[item["call_id"]] for item in batch]
 
+    def judge(decision, turn):
+        """Trace the decision; return (answer, None, None, None) for a final one, (None, calls, ids, signatures)
+        for a batch that preflight admitted; or raise Stop."""
+        if type(decision) is not dict:
+            raise Stop("invalid_decision")
+        kind = _kind(decision)
+        trace.append({"event": "decision", "round": turn, "kind": kind, **used})
+        if kind == "final":
+            if decision.keys() != {"kind", "answer"}:
+                raise Stop("invalid_decision")
+            if not _is_data(decision["answer"]):
+                raise Stop("invalid_final")
+            return decision["answer"], None, None, None
+        if kind != "calls" or decision.keys() != {"kind", "calls"}:
+            raise Stop("invalid_decision")
+        calls = decision["calls"]
+        ids, signatures = preflight(calls, used_ids, attempts, registry, limits)
+        # Each call passed; the batch as a whole must be plain data within the limits too (arguments at depth 0).
+        if not _is_data(calls, depth=-2):
+            raise Stop("invalid_batch")
+        return None, calls, ids, signatures
+
     def finish(status, answer=None):
         trace.append({"event": "stop", "status": status, **used})
         return _copy({"status": status, "answer": answer, "used": used, "history": history, "trace": trace})
 
+    cancel_wait = asyncio.create_task(asyncio.Event.wait(cancel))  # one wait on the cancel event, for the whole run
     try:
         for turn in range(1, limits.rounds + 1):
             # Decide: the decision is paid before the model is asked, and never refunded.
@@ -805,7 +898,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             view = _copy(history)  # the model's own copy, made fresh every round: it cannot edit our history
             left = time_left()  # read after the copy, which takes time too
             try:
-                decision = await bounded(lambda: model(view), min(limits.model_seconds, left), cancel)
+                decision = await _bounded(lambda: model(view), min(limits.model_seconds, left), cancel, cancel_wait)
             except Stop:
                 raise
             except TimeoutError:
@@ -814,28 +907,30 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             except Exception:
                 raise Stop("model_exception") from None  # its message is never kept
             time_left()
-            if type(decision) is not dict:
+            # Our own copy of the decision, taken in one step: no thread of the model's can change what is
+            # checked before it is acted on. One that marshal cannot copy holds an object that is not data: it
+            # is checked as it came, only to say what is wrong with it, and refused whatever the checks find.
+            own = _snapshot(decision)
+            if own is None:
+                _discard(decision)
+                try:
+                    judge(decision, turn)
+                except Stop:
+                    raise
+                except Exception:  # it changed while it was being checked
+                    pass
                 raise Stop("invalid_decision")
-            kind = _kind(decision)
-            trace.append({"event": "decision", "round": turn, "kind": kind, **used})
+            answer, batch, ids, signatures = judge(own, turn)
 
             # A final answer counts only if the independent check recomputes it from history.
-            if kind == "final":
-                if decision.keys() != {"kind", "answer"}:
-                    raise Stop("invalid_decision")
-                answer = decision["answer"]
+            if batch is None:
                 # The check gets copies: what it does to them changes neither the answer nor history.
-                if not _is_data(answer) or not _passes(accept, _copy(answer), _copy(history)):
+                if not _passes(accept, _copy(answer), _copy(history)):
                     raise Stop("invalid_final")
                 time_left()  # an answer accepted only after the deadline came too late
                 return finish("completed", answer)
-            if kind != "calls" or decision.keys() != {"kind", "calls"}:
-                raise Stop("invalid_decision")
 
-            # Admit the whole batch, or nothing starts. Preflight's exact type checks run none of
-            # the model's code; once admitted, the batch is plain data and safe to copy.
-            ids, signatures = preflight(decision["calls"], used_ids, attempts, registry, limits)
-            batch = _copy(decision["calls"])
+            # Admit the whole batch, or nothing starts: preflight passed, and now the budgets.
             if used["calls"] + len(batch) > limits.calls:
                 raise Stop("call_limit")
             if used["credits"] + sum(registry[item["name"]].cost for item in batch) > limits.credits:
@@ -860,6 +955,8 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
         raise Stop("round_limit")
     except Stop as stop:
         return finish(str(stop))
+    finally:
+        await _settle(cancel_wait)
 
 
 # PART 5: the demo and the command line
@@ -937,17 +1034,24 @@ async def _in_thread(function, kwargs, start=_start_thread, on_abandoned=None):
             # asyncio cannot carry a StopIteration into a future (on 3.11 and 3.12 the waiter would never
             # wake up), and a BaseException would end the run: both pass on as a fault with the class name.
             plain = issubclass(raised, Exception) and not issubclass(raised, StopIteration)
-            outcome.set_exception(error if plain else _Fault(raised.__name__))
+            outcome.set_exception(error if plain else _Fault(_class_name(raised)))
 
     start(work)
     try:
         return await asyncio.wrap_future(outcome)
     except asyncio.CancelledError:
         # A thread cannot be cancelled. One that has begun runs on to its end, and its late result
-        # lands in `outcome`, which nobody reads any more.
-        if not outcome.cancel() and not outcome.done() and on_abandoned is not None:
-            on_abandoned(outcome)
+        # lands in `outcome`, which nobody reads any more (a coroutine in it is closed).
+        if not outcome.cancel() and not outcome.done():
+            outcome.add_done_callback(_close_late)
+            if on_abandoned is not None:
+                on_abandoned(outcome)
         raise
+
+
+def _close_late(outcome):
+    if not outcome.cancelled() and outcome.exception() is None:
+        _discard(outcome.result())
 
 
 class FunctionTools:

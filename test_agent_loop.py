@@ -23,6 +23,7 @@ import threading
 import time
 import unittest
 import unittest.mock
+import warnings
 
 from agent_loop import (
     DATA, MODEL_COST, NOTE, SNAPSHOT, STOP_STATUSES, TOOLS, Fixtures, FunctionTools, Limits, Stop, TemporaryError,
@@ -2727,15 +2728,19 @@ class DataLimitTests(RuntimeTestCase):
 
     async def test_arguments_within_the_limits_reach_your_check_and_beyond_them_are_refused(self):
         registry = {"echo": ToolSpec(1, True, True, validate=lambda args: True)}
-        cases = [({"x": value}, admitted) for value, admitted in self.CASES[4:9]]  # the integers
-        cases += [({"x": [0] * 99_998}, True), ({"x": [0] * 99_999}, False)]  # 100,000 values, the object included
-        cases += [({"x": nested(31)}, True), ({"x": nested(32)}, False)]  # the arguments object is a level too
-        for arguments, admitted in cases:
-            with self.subTest(arguments=repr(arguments)[:30], admitted=admitted):
-                model = scripted(calls({"call_id": "e", "name": "echo", "arguments": arguments}))
-                result = await run_agent(model, fixtures=FunctionTools({"echo": lambda **args: "ok"}), registry=registry,
-                                         limits=dataclasses.replace(ROOMY, rounds=1))
-                self.assertEqual(result["status"], "round_limit" if admitted else "invalid_arguments")
+        cases = [({"x": value}, "round_limit" if admitted else "invalid_arguments")
+                 for value, admitted in self.CASES[4:9]]  # the integers
+        cases += [({"x": nested(31)}, "round_limit"), ({"x": nested(32)}, "invalid_arguments")]  # the object is a level
+        # The batch as a whole holds at most 100,000 values as well: here the list, its object, the call, the list of
+        # calls, and 99,994 values inside.
+        cases += [({"x": [0] * 99_994}, "round_limit"), ({"x": [0] * 99_995}, "invalid_batch")]
+        two = [call("a", "echo", x=[0] * 50_000), call("b", "echo", x=[1] * 50_000)]  # each within, both beyond
+        for arguments, status in cases + [(two, "invalid_batch")]:
+            with self.subTest(arguments=repr(arguments)[:30], status=status):
+                batch = arguments if type(arguments) is list else [{"call_id": "e", "name": "echo", "arguments": arguments}]
+                result = await run_agent(scripted(calls(*batch)), fixtures=FunctionTools({"echo": lambda **args: "ok"}),
+                                         registry=registry, limits=dataclasses.replace(ROOMY, rounds=1))
+                self.assertEqual(result["status"], status)
 
 
 class InvariantTests(RuntimeTestCase):
@@ -3238,6 +3243,182 @@ class HostileReviewTests(RuntimeTestCase):
         with unittest.mock.patch.object(agent_loop, "_copy", slow_copy):
             result = await run_agent(model, limits=Limits(tool_seconds=5, model_seconds=5, total_seconds=0.3))
         self.assertEqual((result["status"], asked), ("deadline", [0]))  # round 2's model never started
+
+    # A second hostile review, of the fixes above.
+
+    async def test_a_decision_changed_after_it_was_returned_changes_nothing_that_was_checked(self):
+        self.allowBlockingSteps()
+
+        def slow_check(args):
+            time.sleep(0.1)  # the model's thread strikes while this check runs
+            return valid_args("read_partition", args)
+
+        def change_later(decision, value):
+            time.sleep(0.03)
+            decision["calls"][0]["arguments"]["partition"] = value
+
+        for value in ("../etc/passwd", (1, 2), object()):
+            async def model(history, value=value):
+                if history:
+                    return final("done")
+                decision = calls(call("a", partition="north"))
+                threading.Thread(target=change_later, args=(decision, value)).start()
+                return decision
+
+            with self.subTest(value=repr(value)[:20]):
+                registry = {"read_partition": dataclasses.replace(TOOLS["read_partition"], validate=slow_check)}
+                fixtures = Fixtures(delays={})
+                result = await run_agent(model, fixtures=fixtures, registry=registry, limits=ROOMY)
+                self.assertEqual(result["history"][0]["calls"], [call("a", partition="north")])
+                self.assertEqual(observations(result)[0]["data"]["partition"], "north")
+
+        def change_answer(answer):
+            time.sleep(0.03)
+            answer["total_cents"] = 999999
+
+        def slow_accept(answer, history):
+            time.sleep(0.1)
+            return accepted(answer, history)
+
+        async def answers(history):
+            decision = await fake_model(history)
+            if decision["kind"] == "final":
+                threading.Thread(target=change_answer, args=(decision["answer"],)).start()
+            return decision
+
+        result = await run_agent(answers, accept=slow_accept, limits=ROOMY)
+        self.assertEqual((result["status"], result["answer"]), ("completed", PLAN))
+
+    async def test_an_exception_class_whose_name_raises_is_still_a_fault(self):
+        class Meta(type):
+            @property
+            def __name__(cls):
+                raise GeneratorExit("private")
+
+        class Odd(BaseException, metaclass=Meta):
+            pass
+
+        async def model(history):
+            raise Odd()
+
+        def plain(**args):
+            raise Odd()
+
+        class Raises(Fixtures):
+            async def invoke(self, call):
+                await super().invoke(call)
+                raise Odd()
+
+        self.assertEqual((await run_agent(model, limits=ROOMY))["status"], "model_exception")
+        result = await run_agent(fixtures=Raises(delays={}), limits=ROOMY)
+        self.assertEqual((result["status"], errors(result)), ("tool_exception", ["tool_exception"] * 2))
+        tools = FunctionTools({"f": plain})
+        result = await run_agent(scripted(calls(call("a", "f"))), fixtures=tools, registry={"f": ToolSpec(1, True, True, validate=lambda args: True)},
+                                 limits=dataclasses.replace(ROOMY, rounds=1))
+        self.assertEqual(errors(result), ["tool_exception"])  # not a timeout: the thread set its outcome
+        self.assertTrue(await tools.wait_abandoned(1))
+
+    async def test_half_a_surrogate_pair_anywhere_is_refused_at_entry(self):
+        half = json.loads('"\\ud800"')
+
+        class Returns(Fixtures):
+            async def invoke(self, call):
+                await super().invoke(call)
+                return {half: 1}
+
+        result = await run_agent(scripted(calls(call("a", partition="north"))), fixtures=Returns(delays={}),
+                                 limits=dataclasses.replace(ROOMY, rounds=1))
+        self.assertEqual(errors(result), ["tool_exception"])
+        result = await run_agent(scripted(final({half: 1})), accept=lambda answer, history: True, limits=ROOMY)
+        self.assertEqual(result["status"], "invalid_final")
+        result = await run_agent(scripted(calls(call(half, partition="north"))), limits=ROOMY)
+        self.assertEqual((result["status"], result["history"]), ("invalid_batch", []))
+        json.dumps(result, ensure_ascii=False).encode()  # whatever came in, the result can be sent on
+
+    async def test_a_check_whose_introspection_raises_is_refused_as_a_value_error(self):
+        class Configured:
+            def __init__(self):
+                self.cfg = {}
+
+            def __getattr__(self, name):
+                return self.__dict__["cfg"][name]  # a KeyError, not an AttributeError
+
+            def __call__(self, *args):
+                return True
+
+        class Verdict:
+            @property
+            def __class__(self):
+                raise RuntimeError("private")
+
+        with self.assertRaises(ValueError):
+            await run_agent(accept=Configured(), limits=ROOMY)
+        result = await run_agent(accept=lambda answer, history: Verdict(), limits=ROOMY)
+        self.assertEqual(result["status"], "invalid_final")
+
+    async def test_a_cancel_set_and_cleared_at_once_still_cancels(self):
+        for where in ("tools", "model"):
+            cancel = asyncio.Event()
+
+            class Pulses(Fixtures):
+                async def invoke(self, call):
+                    if where == "tools" and call["call_id"] == "r1-south":
+                        cancel.set()
+                        cancel.clear()
+                    return await super().invoke(call)
+
+            async def model(history):
+                if where == "model":
+                    cancel.set()
+                    cancel.clear()
+                    await asyncio.sleep(0.01)
+                return await fake_model(history)
+
+            with self.subTest(where=where):
+                result = await run_agent(model, fixtures=Pulses(delays={"north": 0.5, "south": 0.5}), cancel=cancel,
+                                         limits=ROOMY)
+                self.assertEqual(result["status"], "cancelled")
+                self.assertNoTaskLeft()
+
+    async def test_a_coroutine_returned_by_an_abandoned_thread_is_closed(self):
+        gate = threading.Event()
+
+        async def convert(**args):
+            return {}
+
+        def late(**args):
+            gate.wait(30)
+            return convert()
+
+        tools = FunctionTools({"f": late})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            await run_agent(scripted(calls(call("a", "f"))), fixtures=tools, registry={"f": ToolSpec(1, True, True, validate=lambda args: True)},
+                            limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.05))
+            gate.set()
+            self.assertTrue(await tools.wait_abandoned(30))
+            del tools  # the last reference to the late result
+            gc.collect()
+        self.assertEqual([str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)], [])
+
+    async def test_an_event_whose_wait_was_replaced_is_still_waited_on_the_class_way(self):
+        cancel = asyncio.Event()
+        cancel.wait = lambda: None  # an instance attribute: the runtime uses asyncio.Event.wait itself
+        result = await run_agent(cancel=cancel, limits=ROOMY)
+        self.assertEqual(result["status"], "completed")
+        self.assertNoTaskLeft()
+
+    async def test_async_checks_are_refused_in_every_form_inspect_can_see(self):
+        async def check(*args):
+            return True
+
+        async def generator(*args):
+            yield True
+
+        for accept in (staticmethod(check), generator, functools.partial(check)):
+            with self.subTest(accept=accept):
+                with self.assertRaises(ValueError):
+                    await run_agent(accept=accept, limits=ROOMY)
 
 
 # The result-ownership experiment (result_ownership.py, verify_ownership.py, expected.json)
