@@ -18,6 +18,7 @@ import os
 import platform
 import re
 import statistics
+import sys
 import threading
 import time
 import types
@@ -597,30 +598,38 @@ CALL_KEYS = {"call_id", "name", "arguments"}
 
 def preflight(batch, used_ids, attempts, registry, limits):
     """Check a whole batch before any tool starts: return its (ids, signatures), or raise Stop at the first fault."""
-    if type(batch) is not list or not 1 <= len(batch) <= 4:
-        raise Stop("invalid_batch")
+    if type(batch) is not list:
+        raise Stop("invalid_batch", reason="calls must be a list")
+    if not 1 <= len(batch) <= 4:
+        raise Stop("invalid_batch", reason="at most 4 calls" if batch else "no calls")
     ids, signatures = set(), Counter()
     for item in batch:
         if not _has_keys(item, CALL_KEYS):
-            raise Stop("invalid_call")
+            raise Stop("invalid_call", reason="a call is a dict of exactly call_id, name and arguments")
         cid, name, args = item["call_id"], item["name"], item["arguments"]
         if type(cid) is not str or not 1 <= len(cid) <= 80:
-            raise Stop("invalid_call_id")
+            raise Stop("invalid_call_id", reason="a call id is a string of 1 to 80 characters")
         if cid in used_ids or cid in ids:
-            raise Stop("duplicate_call_id")
+            raise Stop("duplicate_call_id", call_id=cid, reason="the call id was used before")
         if type(name) is not str or name not in registry:
-            raise Stop("unknown_tool")
+            raise Stop("unknown_tool", call_id=cid, **_named(name), reason="no tool of that name")
         if registry[name].read_only is not True:
-            raise Stop("permission_denied")
+            raise Stop("permission_denied", call_id=cid, name=name, reason="the tool is not read-only")
         reason = _argument_error(name, registry[name], args)
         if reason:
             raise Stop("invalid_arguments", call_id=cid, name=name, reason=reason)
         signature = canonical([name, args])  # a fresh call id does not make a new attempt
         signatures[signature] += 1
         if attempts.get(signature, 0) + signatures[signature] > limits.attempts:
-            raise Stop("repeat_limit")
+            raise Stop("repeat_limit", call_id=cid, name=name,
+                       reason=f"the same tool and arguments at most {limits.attempts} times")
         ids.add(cid)
     return ids, signatures
+
+
+def _named(name):
+    """{"name": name} for a stop's fields when the name is short plain text a reader can use, else nothing."""
+    return {"name": name} if type(name) is str and len(name) <= 80 and _is_data(name) else {}
 
 
 def _argument_error(name, spec, args):
@@ -776,8 +785,8 @@ def _kind(decision):
     return kind if _is_data(kind) else None
 
 
-def _failure(item, error, retryable):
-    return {**_copy(item), "ok": False, "error": error, "retryable": retryable}
+def _failure(item, error, retryable, **why):
+    return {**_copy(item), "ok": False, "error": error, "retryable": retryable, **why}
 
 
 # What a tool raised -> (observation error, may the model retry). A Stop is the run's cancel or deadline.
@@ -791,27 +800,46 @@ TOOL_ERRORS = (
 
 
 def _tool_error(error):
+    """(error, retryable, why) for what a tool raised; why names the exception's class, never its message."""
     for raised, code, retryable in TOOL_ERRORS:
         if issubclass(type(error), raised):  # type(), not isinstance: an object's __class__ may run its code
-            return code or str(error), retryable
+            if code is None or code == "tool_timeout":  # the runtime's own signals: no class of the tool's to name
+                return code or str(error), retryable, {}
+            return code, retryable, {"error_type": _error_type(error)}
 
 
-async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None, registry=None, accept=accepted):
+def _error_type(error):
+    """The class name of what was raised (for a _Fault, of what was raised in the first place)."""
+    return error.error_type if type(error) is _Fault else _class_name(type(error))
+
+
+# A batch that preflight refused for one of these may become an observation instead of the end of the run.
+REFUSALS_TO_OBSERVE = ("invalid_batch", "invalid_arguments", "unknown_tool", "permission_denied")
+
+
+async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None, registry=None, accept=accepted,
+                    on_refused="stop", on_event=None):
     """Run decisions and tool batches until an answer passes the final check or a rule stops the run."""
     loop = asyncio.get_running_loop()
     limits = Limits() if limits is None else limits
     _check_limits(limits)
-    tools = Fixtures() if fixtures is None else fixtures
     cancel = asyncio.Event() if cancel is None else cancel
     _check_cancel(cancel, loop)
+    own_registry = registry is not None
     registry = _checked_registry(TOOLS if registry is None else registry)
+    tools = _checked_tools(fixtures, registry if own_registry else None, accept)
     if not _plain_function(accept):
         raise ValueError("accept must be a plain function")
+    if on_refused not in ("stop", "observe"):
+        raise ValueError("on_refused must be 'stop' or 'observe'")
+    if on_event is not None and not callable(on_event):
+        raise ValueError("on_event must be a function or None")
 
     deadline = loop.time() + limits.total_seconds
     used = {"rounds": 0, "calls": 0, "credits": 0}
     history, trace = [], []
     used_ids, attempts = set(), Counter()
+    never = asyncio.Event()  # a watcher's wait is bounded by time alone: it must see the stop of a cancelled run too
 
     def time_left():
         """Raise Stop if the run is cancelled or past its deadline; else return the seconds left."""
@@ -821,6 +849,16 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
         if left <= 0:
             raise Stop("deadline")
         return left
+
+    async def emit(event):
+        """Trace the event, and hand a copy to the watcher, if any; nothing the watcher does changes the run."""
+        trace.append(event)
+        if on_event is not None:
+            seen = _copy(event)
+            try:
+                await bounded(lambda: _called(on_event, seen), limits.tool_seconds, never)
+            except Exception:  # it raised, or took longer than tool_seconds: the event is its loss, not the run's
+                pass
 
     async def observe(item):
         """Run one admitted call and return its observation; nothing it raises escapes."""
@@ -834,9 +872,11 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
         try:
             data = await _bounded(lambda: tools.invoke(own_copy), min(limits.tool_seconds, left), cancel, cancel_wait)
         except Exception as error:
-            return _failure(item, *_tool_error(error))
+            code, retryable, why = _tool_error(error)
+            return _failure(item, code, retryable, **why)
         if not _is_data(data):  # an object with behaviour, a cycle, NaN: a broken tool
-            return _failure(item, "tool_exception", False)
+            _discard(data)
+            return _failure(item, "tool_exception", False, reason="the result is not plain JSON data within the limits")
         # Stored as returned, not copied: who owns this object is the subject of result_ownership.py.
         return {**_copy(item), "ok": True, "data": data}
 
@@ -860,30 +900,52 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
                 aborted = not obs["ok"] and not obs["retryable"]
         return [by_id[item["call_id"]] for item in batch]
 
-    def judge(decision, turn):
+    async def judge(decision, turn):
         """Trace the decision; return (answer, None, None, None) for a final one, (None, calls, ids, signatures)
         for a batch that preflight admitted; or raise Stop."""
         if type(decision) is not dict:
-            raise Stop("invalid_decision")
+            raise Stop("invalid_decision", reason="a decision is a dict")
         kind = _kind(decision)
-        trace.append({"event": "decision", "round": turn, "kind": kind, **used})
+        await emit({"event": "decision", "round": turn, "kind": kind, **used})
         if kind == "final":
             if decision.keys() != {"kind", "answer"}:
-                raise Stop("invalid_decision")
+                raise Stop("invalid_decision", reason="a final decision holds exactly kind and answer")
             if not _is_data(decision["answer"]):
-                raise Stop("invalid_final")
+                raise Stop("invalid_final", reason="the answer is not plain JSON data within the limits")
             return decision["answer"], None, None, None
         if kind != "calls" or decision.keys() != {"kind", "calls"}:
-            raise Stop("invalid_decision")
+            raise Stop("invalid_decision", reason="a decision holds kind calls and calls, or kind final and answer")
         calls = decision["calls"]
         ids, signatures = preflight(calls, used_ids, attempts, registry, limits)
         # Each call passed; the batch as a whole must be plain data within the limits too (arguments at depth 0).
         if not _is_data(calls, depth=-2):
-            raise Stop("invalid_batch")
+            raise Stop("invalid_batch", reason="the batch is not plain JSON data within the limits")
         return None, calls, ids, signatures
 
-    def finish(status, answer=None):
-        trace.append({"event": "stop", "status": status, **used})
+    async def refused(stop, decision, turn):
+        """Record a batch that preflight refused as a round of failed observations, if it can be: every call a
+        dict with a new call id, the whole plain data. Return True if it was recorded."""
+        calls = decision.get("calls") if type(decision) is dict else None
+        if (on_refused != "observe" or str(stop) not in REFUSALS_TO_OBSERVE or type(calls) is not list or not calls
+                or not _is_data(calls, depth=-2)):
+            return False
+        cids = [item.get("call_id") if _has_keys(item, CALL_KEYS) and type(item["name"]) is str else None
+                for item in calls]
+        if not all(type(cid) is str and 1 <= len(cid) <= 80 for cid in cids) or len(set(cids)) < len(cids) \
+                or used_ids & set(cids):
+            return False
+        why = stop.why
+        record = {"round": turn, "calls": calls, "observations": [
+            _failure(item, str(stop), True, reason=why["reason"] if why.get("call_id", cid) == cid else
+                     "another call of the batch was refused")
+            for item, cid in zip(calls, cids)]}
+        history.append(record)
+        used_ids.update(cids)  # the ids join the ledger; the calls count no call and no credit
+        await emit({"event": "refused", "round": turn, "status": str(stop), "ids": cids, **why, **used})
+        return True
+
+    async def finish(status, answer=None, why=None):
+        await emit({"event": "stop", "status": status, **used, **(why or {})})
         return _copy({"status": status, "answer": answer, "used": used, "history": history, "trace": trace})
 
     cancel_wait = asyncio.create_task(asyncio.Event.wait(cancel))  # one wait on the cancel event, for the whole run
@@ -892,7 +954,8 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             # Decide: the decision is paid before the model is asked, and never refunded.
             time_left()
             if used["credits"] + MODEL_COST > limits.credits:
-                raise Stop("credit_limit")
+                raise Stop("credit_limit", reason=f"a decision costs {MODEL_COST} credits, "
+                                                  f"{limits.credits - used['credits']} left")
             used["rounds"] += 1
             used["credits"] += MODEL_COST
             view = _copy(history)  # the model's own copy, made fresh every round: it cannot edit our history
@@ -904,8 +967,8 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             except TimeoutError:
                 time_left()  # a cancel or the deadline explains the timeout better
                 raise Stop("model_timeout") from None
-            except Exception:
-                raise Stop("model_exception") from None  # its message is never kept
+            except Exception as error:
+                raise Stop("model_exception", error_type=_error_type(error)) from None  # never its message
             time_left()
             # Our own copy of the decision, taken in one step: no thread of the model's can change what is
             # checked before it is acted on. One that marshal cannot copy holds an object that is not data: it
@@ -914,27 +977,33 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             if own is None:
                 _discard(decision)
                 try:
-                    judge(decision, turn)
+                    await judge(decision, turn)
                 except Stop:
                     raise
                 except Exception:  # it changed while it was being checked
                     pass
-                raise Stop("invalid_decision")
-            answer, batch, ids, signatures = judge(own, turn)
+                raise Stop("invalid_decision", reason="the decision is not plain JSON data")
+            try:
+                answer, batch, ids, signatures = await judge(own, turn)
+            except Stop as stop:
+                if await refused(stop, own, turn):
+                    continue  # nothing started; the model decides again, and sees why
+                raise
 
             # A final answer counts only if the independent check recomputes it from history.
             if batch is None:
                 # The check gets copies: what it does to them changes neither the answer nor history.
                 if not _passes(accept, _copy(answer), _copy(history)):
-                    raise Stop("invalid_final")
+                    raise Stop("invalid_final", rejected=answer, reason="the final check did not accept it")
                 time_left()  # an answer accepted only after the deadline came too late
-                return finish("completed", answer)
+                return await finish("completed", answer)
 
             # Admit the whole batch, or nothing starts: preflight passed, and now the budgets.
             if used["calls"] + len(batch) > limits.calls:
-                raise Stop("call_limit")
-            if used["credits"] + sum(registry[item["name"]].cost for item in batch) > limits.credits:
-                raise Stop("credit_limit")
+                raise Stop("call_limit", reason=f"{len(batch)} calls asked, {limits.calls - used['calls']} left")
+            cost = sum(registry[item["name"]].cost for item in batch)
+            if used["credits"] + cost > limits.credits:
+                raise Stop("credit_limit", reason=f"the batch costs {cost} credits, {limits.credits - used['credits']} left")
             time_left()  # your validate functions ran on the loop: they may have used up the time
             used_ids |= ids
             attempts.update(signatures)
@@ -945,18 +1014,41 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             history.append(record)
             record["observations"] = await run_batch(batch, parallel)
             ids_in_order = [obs["call_id"] for obs in record["observations"]]
-            trace.append({"event": "observations", "round": turn, "ids": ids_in_order, "parallel": parallel, **used})
+            await emit({"event": "observations", "round": turn, "ids": ids_in_order, "parallel": parallel, **used})
 
             # Continue or stop: recoverable errors stay as observations for the next decision.
             time_left()
             for obs in record["observations"]:
                 if not obs["ok"] and not obs["retryable"]:
-                    raise Stop(obs["error"])
-        raise Stop("round_limit")
+                    why = {key: obs[key] for key in ("call_id", "name", "error_type", "reason") if key in obs}
+                    raise Stop(obs["error"], **why)
+        raise Stop("round_limit", reason=f"all {limits.rounds} rounds were used")
     except Stop as stop:
-        return finish(str(stop))
+        return await finish(str(stop), why=stop.why)
     finally:
         await _settle(cancel_wait)
+
+
+async def _called(function, *args):
+    """function(*args), awaited if it gives an awaitable."""
+    result = function(*args)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
+def _checked_tools(fixtures, registry, accept):
+    """The tools of the run (the inventory's Fixtures by default); ValueError for a mix that cannot work."""
+    own = [name for name in (registry or ()) if name not in TOOLS]
+    if own and fixtures is None:
+        raise ValueError(f"fixtures: the default Fixtures serve only the inventory's tools, not {own[0]}")
+    if own and accept is accepted:
+        raise ValueError("accept: the default final check knows only the inventory's plan; give your task's own")
+    if isinstance(fixtures, FunctionTools):
+        missing = [name for name in (TOOLS if registry is None else registry) if name not in fixtures.functions]
+        if missing:
+            raise ValueError(f"{missing[0]}: FunctionTools has no function for it")
+    return Fixtures() if fixtures is None else fixtures
 
 
 # PART 5: the demo and the command line
@@ -989,26 +1081,32 @@ async def demo():
 
 def main(argv=None):
     """Run the command line: `demo` (the default), `scenarios`, `bench`."""
-    parser = argparse.ArgumentParser(
-        prog="agent_loop.py",
+    parser = argparse.ArgumentParser(  # named as it was started: agent_loop.py, or agent-loop once installed
         description="Run a model's tool calls under budgets, time limits and an independent final check.",
     )
     commands = parser.add_subparsers(dest="command", title="commands")
     commands.add_parser("demo", help="the normal run, then north failing once (the default)")
     atlas = commands.add_parser("scenarios", help="one small run per stop status, and why it stopped")
     atlas.add_argument("name", nargs="?", choices=[scenario[0] for scenario in ATLAS], metavar="NAME",
-                       help="print this scenario's full trace and answer")
+                       help="print this scenario's trace events as they happen, then its status and answer")
     atlas.add_argument("--json", action="store_true", help="print the table as a JSON list")
     timing = commands.add_parser("bench", help="measure parallel batches, overhead, time limits and growth")
     timing.add_argument("--quick", action="store_true", help="fewer repeats: a smoke run of a few seconds")
     timing.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = parser.parse_args(argv)
-    if args.command == "scenarios":
-        asyncio.run(scenarios(args.name, args.json))
-    elif args.command == "bench":
-        asyncio.run(bench(args.quick, args.json))
-    else:
-        asyncio.run(demo())
+    try:
+        if args.command == "scenarios":
+            asyncio.run(scenarios(args.name, args.json))
+        elif args.command == "bench":
+            asyncio.run(bench(args.quick, args.json))
+        else:
+            asyncio.run(demo())
+        sys.stdout.flush()  # here, not at exit, so that a reader who stopped reading is handled below
+    except BrokenPipeError:
+        # The reader stopped reading (`| head -1`): nothing is wrong with the run. Point stdout at devnull,
+        # so that Python's own flush at exit does not fail a second time, and say so in the exit status.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return 0
 
 
@@ -1175,7 +1273,7 @@ class _CancelAfter(Fixtures):
         return await super().invoke(call)
 
 
-async def run_scenario(name):
+async def run_scenario(name, on_event=None):
     """Run one scenario of the atlas; return (result, fixtures)."""
     how = next(how for title, _, how in ATLAS if title == name)
     cancel = asyncio.Event()
@@ -1184,7 +1282,8 @@ async def run_scenario(name):
     registry = {tool: replace(spec, **how.get("registry", {}).get(tool, {})) for tool, spec in TOOLS.items()}
     limits = replace(Limits(), **how.get("limits", {}))
     model = how.get("model", fake_model)
-    result = await run_agent(model, limits=limits, fixtures=fixtures, cancel=cancel, registry=registry)
+    result = await run_agent(model, limits=limits, fixtures=fixtures, cancel=cancel, registry=registry,
+                             on_event=on_event)
     return result, fixtures
 
 
@@ -1193,10 +1292,13 @@ def _errors(result):
 
 
 async def scenarios(name=None, as_json=False):
-    """Print the atlas as a table (or JSON), or one scenario's full run the way the demo prints it."""
+    """Print the atlas as a table (or JSON), or one scenario's events as they happen, then its status and answer."""
     if name is not None:
-        result, fixtures = await run_scenario(name)
-        show_run(name, result, fixtures)
+        print(f"{name}: each trace event as it happens")
+        result, fixtures = await run_scenario(name, on_event=lambda event: _show(event, sort_keys=True))
+        print(name, result["status"], result["used"])
+        print("finish order:", fixtures.finished)
+        _show(result["answer"])
         return
     rows = []
     for title, why, _ in ATLAS:
@@ -1231,6 +1333,9 @@ async def _hang(n):
     await asyncio.sleep(60)
 
 
+_BENCH_FUNCTIONS = {"tick": _tick, "wait": _wait, "hang": _hang}
+
+
 def _bench_registry(parallel=True):
     return {name: ToolSpec(0, True, parallel, validate=lambda args: True) for name in ("tick", "wait", "hang")}
 
@@ -1250,7 +1355,7 @@ def _roomy(rounds, calls, **seconds):
 
 
 async def _timed(model, limits, parallel=True):
-    tools = FunctionTools({"tick": _tick, "wait": _wait, "hang": _hang})
+    tools = FunctionTools(_BENCH_FUNCTIONS)
     start = time.perf_counter()
     registry = _bench_registry(parallel)
     result = await run_agent(model, limits=limits, fixtures=tools, registry=registry, accept=lambda a, h: False)
@@ -1297,8 +1402,8 @@ async def _limit_overshoot(runs):
                 finally:
                     stopped.append(time.perf_counter() - start)
 
-        await run_agent(_batches("hang", 1), limits=_roomy(1, 1, tool_seconds=0.05), fixtures=Recorded({"hang": _hang}),
-                        registry=_bench_registry())
+        await run_agent(_batches("hang", 1), limits=_roomy(1, 1, tool_seconds=0.05), fixtures=Recorded(_BENCH_FUNCTIONS),
+                        registry=_bench_registry(), accept=lambda answer, history: False)
         tool.append(stopped[0] - 0.05)
         wall, _ = await _timed(_batches("hang", 1), _roomy(1, 1, total_seconds=0.1))
         total.append(wall - 0.1)
@@ -1442,16 +1547,17 @@ def _decide(calls, text, refused):
 
 
 def _output(obs):
-    """One observation as the JSON text a provider expects for a tool's output."""
+    """One observation as the JSON text a provider expects for a tool's output: the data, or why it failed."""
     if obs["ok"]:
         result = {"ok": True, "data": obs["data"]}
     else:
-        result = {"ok": False, "error": obs["error"], "retryable": obs["retryable"]}
+        result = {"ok": False, **{key: obs[key] for key in ("error", "retryable", "reason", "error_type") if key in obs}}
     return json.dumps(result, ensure_ascii=False)
 
 
 def _encoded(arguments):
-    return json.dumps(arguments, ensure_ascii=False)
+    """Arguments as JSON text; text the model sent that was not a JSON object (a refused call) goes back as it came."""
+    return arguments if type(arguments) is str else json.dumps(arguments, ensure_ascii=False)
 
 
 async def _ask(create, request):
@@ -1610,7 +1716,8 @@ def messages_input(history):
     messages = []
     for record in history:
         messages.append({"role": "assistant", "content": [
-            {"type": "tool_use", "id": item["call_id"], "name": item["name"], "input": item["arguments"]}
+            {"type": "tool_use", "id": item["call_id"], "name": item["name"],
+             "input": item["arguments"] if type(item["arguments"]) is dict else {}}  # a refused call's, if not an object
             for item in record["calls"]]})
         results = []
         for obs in record["observations"]:

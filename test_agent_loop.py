@@ -10,11 +10,13 @@ import dataclasses
 import functools
 import gc
 import http.server
+import io
 import json
 import math
 import os
 import platform
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -55,6 +57,14 @@ ALL_ROWS = [
     {"sku": "BAG", "stock": 2, "target": 5, "unit_cents": 2500},
     {"sku": "BOOK", "stock": 0, "target": 4, "unit_cents": 1800},
 ]
+
+
+WHY_FIELDS = ("call_id", "name", "reason", "error_type", "rejected")  # what a failed run's stop event may say
+
+
+def never_accept(answer, history):
+    """A final check for runs that are not about the answer: it accepts none."""
+    return False
 
 
 def calls(*items):
@@ -390,7 +400,7 @@ class StrictSchemaTests(RuntimeTestCase):
                 registry = {"tool": ToolSpec(1, True, True, parameters=parameters)}
                 asked = []
                 with self.assertRaises(ValueError) as raised:
-                    await run_agent(scripted(asked.append), fixtures=FunctionTools({"tool": dict}), registry=registry)
+                    await run_agent(scripted(asked.append), fixtures=FunctionTools({"tool": dict}), registry=registry, accept=never_accept)
                 self.assertEqual((str(raised.exception), asked), (message, []))
 
     async def test_every_tool_of_your_own_declares_how_its_arguments_are_checked(self):
@@ -412,7 +422,7 @@ class StrictSchemaTests(RuntimeTestCase):
         for spec, message in cases:
             with self.subTest(message=message):
                 with self.assertRaises(ValueError) as raised:
-                    await run_agent(fixtures=FunctionTools({"tool": dict}), registry={"tool": spec})
+                    await run_agent(fixtures=FunctionTools({"tool": dict}), registry={"tool": spec}, accept=never_accept)
                 self.assertEqual(str(raised.exception), message)
 
     async def test_a_tool_of_your_own_under_an_inventory_name_is_checked_by_its_own_declaration(self):
@@ -420,7 +430,7 @@ class StrictSchemaTests(RuntimeTestCase):
         registry = {"read_partition": ToolSpec(1, True, True, parameters=parameters)}
         tools = FunctionTools({"read_partition": lambda table, partition: {"rows": []}})
         result = await run_agent(scripted(calls(call("a", table="orders", partition=3))), fixtures=tools, registry=registry,
-                                 limits=dataclasses.replace(ROOMY, rounds=1))
+                                 limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
         self.assertEqual((result["status"], observations(result)[0]["data"]), ("round_limit", {"rows": []}))
 
     async def test_the_articles_three_field_registry_keeps_valid_args(self):
@@ -439,7 +449,7 @@ class StrictSchemaTests(RuntimeTestCase):
             return {"n": n}
 
         model = scripted(calls(call("a", "f", n=1)), calls(call("b", "f", n=2)), calls(call("c", "f", n="3")))
-        result = await run_agent(model, fixtures=FunctionTools({"f": edits_the_schema}), registry=registry, limits=ROOMY)
+        result = await run_agent(model, fixtures=FunctionTools({"f": edits_the_schema}), registry=registry, limits=ROOMY, accept=never_accept)
         self.assertEqual((result["status"], result["used"]["calls"]), ("invalid_arguments", 2))
 
     def test_preflight_keeps_the_reason_and_the_call_it_refused(self):
@@ -460,7 +470,7 @@ class StrictSchemaTests(RuntimeTestCase):
                 desk = RateDesk()
                 model = scripted(calls({"call_id": "r", "name": "get_rate", "arguments": arguments}))
                 result = await run_agent(model, fixtures=FunctionTools(desk.functions()), registry=registry,
-                                         limits=dataclasses.replace(ROOMY, rounds=1))
+                                         limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
                 self.assertEqual((result["status"], len(desk.ran)), (status, 1 if status == "round_limit" else 0))
 
     async def test_your_validate_gets_a_copy_and_cannot_edit_the_call(self):
@@ -470,7 +480,7 @@ class StrictSchemaTests(RuntimeTestCase):
 
         registry = {"echo": ToolSpec(1, True, True, validate=edits, parameters=schema())}
         result = await run_agent(scripted(calls(call("e", "echo", items=[1]))), fixtures=FunctionTools({"echo": lambda **a: a}),
-                                 registry=registry, limits=dataclasses.replace(ROOMY, rounds=1))
+                                 registry=registry, limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
         self.assertEqual(result["history"][0]["calls"][0]["arguments"], {"items": [1]})
         self.assertEqual(observations(result)[0]["data"], {"items": [1]})
 
@@ -922,7 +932,8 @@ class RunAgentTests(RuntimeTestCase):
         result = await run_agent(fixtures=fixtures, limits=dataclasses.replace(ROOMY, rounds=0))
         self.assertEqual(result["status"], "round_limit")
         self.assertEqual(result["used"], {"rounds": 0, "calls": 0, "credits": 0})
-        self.assertEqual(result["trace"], [{"event": "stop", "status": "round_limit", "rounds": 0, "calls": 0, "credits": 0}])
+        self.assertEqual(result["trace"], [{"event": "stop", "status": "round_limit", "rounds": 0, "calls": 0, "credits": 0,
+                                            "reason": "all 0 rounds were used"}])
 
     async def test_invalid_limits_raise_value_error(self):
         cases = [
@@ -978,7 +989,8 @@ class RunAgentTests(RuntimeTestCase):
     async def test_every_stop_is_traced_once_with_its_status(self):
         result = await run_agent(fixtures=Fixtures(failures={"north": ["bug"]}), limits=ROOMY)
         stops = [event for event in result["trace"] if event["event"] == "stop"]
-        self.assertEqual(stops, [{"event": "stop", "status": "tool_exception", **result["used"]}])
+        self.assertEqual(stops, [{"event": "stop", "status": "tool_exception", **result["used"], "call_id": "r1-north",
+                                  "name": "read_partition", "error_type": "RuntimeError"}])
         self.assertIn(result["status"], STOP_STATUSES)
 
     async def test_the_result_is_a_deep_copy(self):
@@ -1312,14 +1324,22 @@ class AtlasTests(RuntimeTestCase):
             self.assertEqual((row["status"], used["rounds"], used["calls"], used["credits"], row["errors"]),
                              (row["name"], *ATLAS_EXPECTED[row["name"]]))
 
-    def test_one_scenario_prints_its_full_run_like_the_demo(self):
+    def test_one_scenario_prints_its_events_as_they_happen_then_its_status_and_answer(self):
         done = run_command("scenarios", "cancelled")
-        self.assertEqual(done.returncode, 0)
-        lines = done.stdout.splitlines()
+        self.assertEqual((done.returncode, done.stderr), (0, ""))
+        head, rest = done.stdout.split("\n", 1)
+        self.assertEqual(head, "cancelled: each trace event as it happens")
+        events, decoder = [], json.JSONDecoder()
+        while rest.startswith("{"):
+            event, end = decoder.raw_decode(rest)
+            events.append(event)
+            rest = rest[end:].lstrip("\n")
+        self.assertEqual([(event["event"], event.get("status")) for event in events],
+                         [("decision", None), ("observations", None), ("stop", "cancelled")])
+        lines = rest.splitlines()
         self.assertEqual(lines[0], "cancelled cancelled {'rounds': 1, 'calls': 2, 'credits': 7}")
         self.assertIn(lines[1], ("finish order: ['r1-north', 'r1-south']", "finish order: ['r1-south', 'r1-north']"))
-        self.assertEqual(lines[-1], "null")
-        self.assertIn('"status": "cancelled"', done.stdout)
+        self.assertEqual(lines[2:], ["null"])
 
     def test_an_unknown_scenario_name_is_refused(self):
         done = run_command("scenarios", "no_such_status")
@@ -1443,7 +1463,7 @@ class OwnPrototypeTests(RuntimeTestCase):
                 registry = {"get_rate": ToolSpec(1, True, True, validate=validate)}
                 desk = RateDesk()
                 result = await run_agent(scripted(calls(call("r1", "get_rate", base="EUR", quote="USD"))),
-                                         fixtures=FunctionTools(desk.functions()), registry=registry, limits=ROOMY)
+                                         fixtures=FunctionTools(desk.functions()), registry=registry, limits=ROOMY, accept=never_accept)
                 self.assertEqual((result["status"], desk.ran), ("invalid_arguments", []))
 
     async def test_own_validator_only_ever_sees_json_objects(self):
@@ -1452,7 +1472,7 @@ class OwnPrototypeTests(RuntimeTestCase):
         for arguments in ({"when": float("nan")}, {"n": 2**70}, {"items": {1, 2}}, {"t": (1, 2)}, [1], {1: "x"}):
             with self.subTest(arguments=arguments):
                 model = scripted(calls({"call_id": "e", "name": "echo", "arguments": arguments}))
-                result = await run_agent(model, fixtures=FunctionTools({"echo": dict}), registry=registry, limits=ROOMY)
+                result = await run_agent(model, fixtures=FunctionTools({"echo": dict}), registry=registry, limits=ROOMY, accept=never_accept)
                 self.assertEqual((result["status"], result["used"]["calls"]), ("invalid_arguments", 0))
         self.assertEqual(seen, [])
 
@@ -1501,7 +1521,7 @@ class OwnPrototypeTests(RuntimeTestCase):
 
         registry = {"meet": ToolSpec(1, True, True, validate=lambda args: True)}
         model = scripted(calls(call("a", "meet", side="left"), call("b", "meet", side="right")))
-        result = await run_agent(model, fixtures=FunctionTools({"meet": meet}), registry=registry, limits=ROOMY)
+        result = await run_agent(model, fixtures=FunctionTools({"meet": meet}), registry=registry, limits=ROOMY, accept=never_accept)
         self.assertEqual(result["trace"][1]["parallel"], True)
         self.assertEqual([obs["data"] for obs in observations(result)], [{"side": "left"}, {"side": "right"}])
         self.assertEqual(result["used"]["calls"], 2)
@@ -1520,7 +1540,7 @@ class OwnPrototypeTests(RuntimeTestCase):
                 with self.subTest(fault=fault, function=function.__name__):
                     registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
                     result = await run_agent(scripted(calls(call("a", "f"))), fixtures=FunctionTools({"f": function}),
-                                             registry=registry, limits=dataclasses.replace(ROOMY, rounds=1))
+                                             registry=registry, limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
                     self.assertEqual(errors(result), [error])
                     self.assertEqual(result["used"]["calls"], 1)
                     self.assertNoPrivateText(result)
@@ -1537,7 +1557,7 @@ class OwnPrototypeTests(RuntimeTestCase):
         tools = FunctionTools({"waits": waits})
         registry = {"waits": ToolSpec(1, True, True, validate=lambda args: True)}
         run = asyncio.create_task(run_agent(scripted(calls(call("w", "waits"))), fixtures=tools, registry=registry,
-                                            cancel=cancel, limits=ROOMY))
+                                            cancel=cancel, limits=ROOMY, accept=never_accept))
         await wait_until(started.is_set)
         cancel.set()
         result = await run
@@ -1561,7 +1581,7 @@ class OwnPrototypeTests(RuntimeTestCase):
         tools = Held({"f": tool})
         registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
         result = await run_agent(scripted(calls(call("a", "f"))), fixtures=tools, registry=registry,
-                                 limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.05))
+                                 limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.05), accept=never_accept)
         self.assertEqual((errors(result), result["used"]["calls"]), (["tool_timeout"], 1))
         held[0]()  # the thread starts at last, after the runtime gave the call up
         self.assertEqual((ran, tools.abandoned), ([], []))
@@ -2454,6 +2474,56 @@ class SdkLaneTests(RuntimeTestCase):
                 result = await run_agent(self.model(api, self.create(api, fake, True)), fixtures=fixtures, limits=ROOMY)
                 self.assertEqual((result["status"], result["used"]["calls"], fixtures.started), ("invalid_arguments", 0, []))
 
+    async def test_a_model_corrects_its_malformed_arguments_on_every_api_when_refusals_are_observed(self):
+        bad = {"responses": '{"partition": "north"', "chat": '{"partition": "north"', "messages": {"partition": "east"}}
+        for api, arguments in bad.items():
+            def brain(api, talk, tools, arguments=arguments):
+                if not talk.rounds:
+                    return {"calls": [(None, "read_partition", arguments)]}
+                return inventory_brain(api, talk, tools)  # it saw the refusal: no read succeeded, so it reads again
+
+            with self.subTest(api=api):
+                fake = self.provider(brain)
+                result = await run_agent(self.model(api, self.create(api, fake, True)), limits=ROOMY, on_refused="observe")
+                self.assertEqual((result["status"], result["used"]["rounds"]), ("completed", 4))
+                self.assertEqual(fake.statuses(), [200] * 4)  # the provider took every replay, the refused round's too
+
+    def run_readme(self, fake, code):
+        """Run code as a user would, in a Python of its own, its SDK clients pointed at the fake provider."""
+        env = {**os.environ, "OPENAI_BASE_URL": fake.url + "/v1", "OPENAI_API_KEY": "test",
+               "ANTHROPIC_BASE_URL": fake.url, "ANTHROPIC_API_KEY": "test"}
+        return subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True,
+                              timeout=120, check=False)
+
+    async def test_the_readmes_real_model_example_runs_as_written(self):
+        if openai is None or anthropic is None:
+            self.skipTest("the official openai and anthropic packages are not installed (.ci/run installs them)")
+        (example,) = [block for block in code_blocks(readme_section("Connect a real model"), "python")]
+        fake = self.provider(inventory_brain)
+        done = await asyncio.to_thread(self.run_readme, fake, example)
+        self.assertEqual((done.returncode, done.stderr), (0, ""))
+        self.assertEqual(done.stdout.splitlines(), [f"completed {PLAN}"] * 3)
+
+    async def test_the_readmes_own_task_runs_unchanged_with_a_real_model(self):
+        if openai is None:
+            self.skipTest("the official openai package is not installed (.ci/run installs it)")
+        scripted_block, real_block = code_blocks(readme_section("Use it in your own prototype"), "python")[:2]
+
+        def brain(api, talk, tools):
+            done = talk.results()
+            if "get_rate" not in done:
+                return {"calls": [(None, "get_rate", {"base": "EUR", "quote": "USD"})]}
+            if "convert" not in done:
+                return {"calls": [(None, "convert", {"amount_cents": 12345, "rate_micros": done["get_rate"][-1]["rate_micros"]})]}
+            return {"text": json.dumps(done["convert"][-1])}
+
+        fake = self.provider(brain)
+        code = scripted_block + real_block + '\nresult = asyncio.run(ask_a_real_model())\nprint(result["status"], result["used"])\n'
+        done = await asyncio.to_thread(self.run_readme, fake, code)
+        self.assertEqual((done.returncode, done.stderr), (0, ""))
+        self.assertEqual(done.stdout.splitlines(), ["completed {'rounds': 3, 'calls': 2, 'credits': 11}"] * 2)
+        self.assertEqual([tool["name"] for tool in fake.seen[0][1]["tools"]], ["get_rate", "convert"])
+
     async def test_a_refusal_or_a_cut_off_reply_never_answers(self):
         for api in MAKE_MODEL:
             for action, kind in (({"refusal": "I can't help with that."}, "refusal"),
@@ -2485,6 +2555,276 @@ class SdkLaneTests(RuntimeTestCase):
                                              limits=Limits(model_seconds=0.2, total_seconds=30))
                     self.assertLess(loop.time() - start, 1.2)  # returned before the reply came
                     self.assertEqual((result["status"], result["used"]["rounds"]), ("model_timeout", 1))
+
+
+# Let a real model recover from a refused batch, and let its user see why a run stopped
+
+WHY = {  # each atlas scenario's stop event, beyond event, status and used: why, in plain data
+    "completed": {},
+    "round_limit": {"reason": "all 2 rounds were used"},
+    "call_limit": {"reason": "2 calls asked, 1 left"},
+    "credit_limit": {"reason": "a decision costs 3 credits, 2 left"},
+    "deadline": {},
+    "cancelled": {},
+    "model_timeout": {},
+    "model_exception": {"error_type": "RuntimeError"},
+    "invalid_decision": {"reason": "a decision is a dict"},
+    "invalid_final": {"rejected": PLAN, "reason": "the final check did not accept it"},
+    "invalid_batch": {"reason": "no calls"},
+    "invalid_call": {"reason": "a call is a dict of exactly call_id, name and arguments"},
+    "invalid_call_id": {"reason": "a call id is a string of 1 to 80 characters"},
+    "duplicate_call_id": {"call_id": "a", "reason": "the call id was used before"},
+    "unknown_tool": {"call_id": "order", "name": "place_order", "reason": "no tool of that name"},
+    "permission_denied": {"call_id": "r1-north", "name": "read_partition", "error_type": "PermissionError"},
+    "invalid_arguments": {"call_id": "a", "name": "read_partition", "reason": "partition: not one of the allowed values"},
+    "repeat_limit": {"call_id": "r3-north", "name": "read_partition",
+                     "reason": "the same tool and arguments at most 2 times"},
+    "tool_exception": {"call_id": "r1-north", "name": "read_partition", "error_type": "RuntimeError"},
+}
+
+
+async def learner(history):
+    """A model that sends a bad argument first, then reads the refusal and does the task right."""
+    if not history:
+        return calls(call("bad", partition="east"), call("ok", partition="north"))
+    return await fake_model(history)
+
+
+async def never_learns(history):
+    return calls(call(f"bad{len(history)}", partition="east"))
+
+
+class WhyTests(RuntimeTestCase):
+    async def test_each_failure_says_why_in_its_stop_event(self):
+        self.assertEqual(list(WHY), STATUSES)
+        for name, why in WHY.items():
+            with self.subTest(name=name):
+                result, _ = await agent_loop.run_scenario(name)
+                stop = result["trace"][-1]
+                self.assertEqual({key: value for key, value in stop.items()
+                                  if key not in ("event", "status", "rounds", "calls", "credits")}, why)
+                self.assertIsNone(result["answer"]) if name != "completed" else None
+                self.assertNoPrivateText(result)
+
+    async def test_a_failed_observation_names_the_class_of_what_the_tool_raised(self):
+        for fault, error, error_type in (("temporary", "temporary", "TemporaryError"),
+                                         ("permission", "permission_denied", "PermissionError"),
+                                         ("bug", "tool_exception", "RuntimeError"), ("timeout", "tool_timeout", None)):
+            with self.subTest(fault=fault):
+                fixtures = Fixtures(failures={"north": [fault]})
+                result = await run_agent(fixtures=fixtures, limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.1))
+                failed = observations(result)[0]
+                self.assertEqual((failed["error"], failed.get("error_type")), (error, error_type))
+                self.assertNoPrivateText(result)
+
+    async def test_a_model_that_corrects_a_refused_batch_completes_when_refusals_are_observed(self):
+        fixtures = Fixtures()
+        result = await run_agent(learner, fixtures=fixtures, limits=ROOMY)  # the article's strictness: the default
+        self.assertEqual((result["status"], fixtures.started), ("invalid_arguments", []))
+        fixtures = Fixtures()
+        result = await run_agent(learner, fixtures=fixtures, limits=ROOMY, on_refused="observe")
+        self.assertEqual((result["status"], result["answer"]), ("completed", PLAN))
+        self.assertEqual(result["used"], {"rounds": 4, "calls": 3, "credits": 20})  # the refused round: paid, no calls
+        self.assertNotIn("bad", fixtures.started)
+        self.assertNotIn("ok", fixtures.started)  # the valid call beside the bad one did not start either
+        refused = result["history"][0]
+        self.assertEqual([(obs["call_id"], obs["ok"], obs["error"], obs["retryable"], obs["reason"])
+                          for obs in refused["observations"]],
+                         [("bad", False, "invalid_arguments", True, "partition: not one of the allowed values"),
+                          ("ok", False, "invalid_arguments", True, "another call of the batch was refused")])
+        self.assertEqual(result["trace"][1], {"event": "refused", "round": 1, "status": "invalid_arguments",
+                                              "ids": ["bad", "ok"], "call_id": "bad", "name": "read_partition",
+                                              "reason": "partition: not one of the allowed values",
+                                              "rounds": 1, "calls": 0, "credits": 3})
+
+    async def test_a_model_that_never_learns_ends_on_its_budget(self):
+        for limits, status in ((ROOMY, "round_limit"), (dataclasses.replace(ROOMY, credits=10), "credit_limit"),
+                               (dataclasses.replace(ROOMY, total_seconds=0.3), "deadline")):
+            async def model(history, slow=status == "deadline"):
+                if slow:
+                    await asyncio.sleep(0.05)
+                return await never_learns(history)
+
+            with self.subTest(status=status):
+                fixtures = Fixtures()
+                result = await run_agent(model, fixtures=fixtures, limits=limits, on_refused="observe")
+                self.assertEqual((result["status"], result["used"]["calls"], fixtures.started), (status, 0, []))
+
+    async def test_what_still_stops_when_refusals_are_observed(self):
+        north, east = call("n", partition="north"), call("e", partition="east")
+        cases = [  # (decisions, status): each stops at its last decision, nothing recorded as refused
+            ((calls(*(call(c, partition="north") for c in "abc")),), "repeat_limit"),
+            ((calls(call("a", partition="north"), call("b", partition="south")),), "call_limit"),
+            ((calls("read north"),), "invalid_call"),
+            ((calls({**north, "call_id": ""}),), "invalid_call_id"),
+            ((calls(north), calls(east, north)), "invalid_arguments"),  # a call id used in an earlier round
+            ((calls(east, {**east, "arguments": {"partition": "north"}}),), "invalid_arguments"),  # an id twice
+            ((calls({**north, "name": 7}),), "unknown_tool"),  # a name that is not text cannot be replayed
+            ((calls(),), "invalid_batch"),
+        ]
+        for decisions, status in cases:
+            with self.subTest(status=status, decisions=decisions):
+                limits = dataclasses.replace(ROOMY, calls=1) if status == "call_limit" else ROOMY
+                result = await run_agent(scripted(*decisions), limits=limits, on_refused="observe")
+                self.assertEqual((result["status"], result["used"]["rounds"]), (status, len(decisions)))
+                self.assertNotIn("refused", [event["event"] for event in result["trace"]])
+
+    async def test_on_refused_and_on_event_must_be_what_they_say(self):
+        for options, message in (({"on_refused": "retry"}, "on_refused must be 'stop' or 'observe'"),
+                                 ({"on_event": "print"}, "on_event must be a function or None")):
+            with self.subTest(message=message):
+                with self.assertRaises(ValueError) as raised:
+                    await run_agent(limits=ROOMY, **options)
+                self.assertEqual(str(raised.exception), message)
+
+    async def test_the_events_received_live_equal_the_trace(self):
+        seen_plain, seen_async, order = [], [], []
+
+        async def watch(event):
+            await asyncio.sleep(0)
+            seen_async.append(event)
+
+        def mark(event):
+            order.append((event["event"], len(order)))
+            seen_plain.append(event)
+            event["event"] = "edited by the watcher"  # its own copy
+
+        for watcher, seen in ((mark, seen_plain), (watch, seen_async)):
+            with self.subTest(watcher=watcher.__name__):
+                result = await run_agent(fixtures=Fixtures(failures={"north": ["temporary"]}), on_event=watcher,
+                                         limits=ROOMY)
+                self.assertEqual(result["status"], "completed")
+                if watcher is mark:
+                    self.assertEqual([event["event"] for event in result["trace"]],
+                                     ["decision", "observations"] * 3 + ["decision", "stop"])
+                    seen[:] = [{**event, "event": e} for event, (e, _) in zip(seen, order)]
+                self.assertEqual(seen, result["trace"])
+
+    async def test_a_watcher_that_raises_or_hangs_changes_nothing(self):
+        def raises(event):
+            raise RuntimeError("private")
+
+        async def hangs(event):
+            if event["event"] == "decision":
+                await asyncio.sleep(30)
+
+        for watcher in (raises, hangs):
+            with self.subTest(watcher=watcher.__name__):
+                limits = dataclasses.replace(ROOMY, tool_seconds=0.05)
+                result = await run_agent(on_event=watcher, limits=limits)
+                self.assertEqual((result["status"], result["used"]), ("completed", {"rounds": 3, "calls": 3, "credits": 17}))
+                self.assertNoPrivateText(result)
+                self.assertNoTaskLeft()
+
+    async def test_a_cancelled_run_still_tells_its_watcher_how_it_stopped(self):
+        cancel, seen = asyncio.Event(), []
+        cancel.set()
+        result = await run_agent(cancel=cancel, on_event=seen.append, limits=ROOMY)
+        self.assertEqual(seen, result["trace"])
+        self.assertEqual(seen[-1]["status"], "cancelled")
+
+    async def test_your_own_tools_need_your_own_fixtures_functions_and_final_check(self):
+        functions = RateDesk().functions()
+        cases = [
+            ({"registry": CONVERSION_TOOLS, "accept": conversion_accepted},
+             "fixtures: the default Fixtures serve only the inventory's tools, not get_rate"),
+            ({"registry": CONVERSION_TOOLS, "fixtures": FunctionTools(functions)},
+             "accept: the default final check knows only the inventory's plan; give your task's own"),
+            ({"registry": CONVERSION_TOOLS, "fixtures": FunctionTools({"get_rate": functions["get_rate"]}),
+              "accept": conversion_accepted}, "convert: FunctionTools has no function for it"),
+        ]
+        for options, message in cases:
+            with self.subTest(message=message):
+                asked = []
+                with self.assertRaises(ValueError) as raised:
+                    await run_agent(scripted(asked.append), limits=ROOMY, **options)
+                self.assertEqual((str(raised.exception), asked), (message, []))
+
+    async def test_every_bridge_replays_a_refused_round_so_the_model_can_correct_itself(self):
+        for name, (make_model, options, calls_reply, text_reply) in BRIDGES.items():
+            with self.subTest(bridge=name):
+                bad = '{"partition": "east"' if name != "messages" else {"partition": "east"}
+                create = Recorder(calls_reply(("c1", "read_partition", bad)),
+                                  calls_reply(("c2", "read_partition", {"partition": "north"}),
+                                              ("c3", "read_partition", {"partition": "south"})),
+                                  calls_reply(("c4", "compute_plan", {"rows": ALL_ROWS})),
+                                  text_reply(json.dumps(PLAN)))
+                result = await run_agent(make_model(create, "task", **options), limits=ROOMY, on_refused="observe")
+                self.assertEqual(result["status"], "completed")
+                second = json.dumps(create.requests[1])
+                self.assertIn("c1", second)
+                self.assertIn("partition: not one of the allowed values" if name == "messages" else
+                              "arguments: not a JSON object", second)
+
+
+def help_as(program):
+    """What --help prints when the program was started under this name."""
+    with unittest.mock.patch.object(sys, "argv", [program, "--help"]), contextlib.redirect_stdout(io.StringIO()) as out:
+        with contextlib.suppress(SystemExit):
+            agent_loop.main(["--help"])
+    return out.getvalue()
+
+
+class SmallThingsTests(unittest.TestCase):
+    def test_help_names_the_program_as_it_was_started(self):
+        self.assertTrue(help_as("/usr/local/bin/agent-loop").startswith("usage: agent-loop"))
+        self.assertTrue(help_as("agent_loop.py").startswith("usage: agent_loop.py"))
+
+    def test_a_reader_that_stops_reading_gets_no_traceback(self):
+        flags = ["-O"] if sys.flags.optimize else []
+        process = subprocess.Popen([sys.executable, *flags, os.path.join(HERE, "agent_loop.py"), "demo"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        process.stdout.close()  # like `| head -1` that has already read its line: every write now fails
+        stderr = process.stderr.read()
+        process.wait(timeout=60)
+        process.stderr.close()
+        self.assertEqual(stderr, b"")
+        self.assertEqual(process.returncode, 1)
+
+
+def readme():
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as file:
+        return file.read()
+
+
+def readme_section(title):
+    text = readme()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else len(text)]
+
+
+def code_blocks(text, language):
+    return re.findall(rf"```{language}\n(.*?)```", text, re.S)
+
+
+class ReadmeTests(RuntimeTestCase):
+    """Every example in the README is real: the shapes come from runs, the code blocks run."""
+
+    async def test_the_shapes_are_those_of_real_runs(self):
+        retry = await run_agent(fixtures=Fixtures(failures={"north": ["temporary"]}))
+        history = retry["history"]
+        scenario, _ = await agent_loop.run_scenario("invalid_arguments")
+        refused = await run_agent(learner, on_refused="observe")
+        expected = [calls(*history[1]["calls"]), final(retry["answer"]), history[0]["observations"][1],
+                    history[0]["observations"][0], history[1], retry["trace"][0], retry["trace"][1], retry["trace"][-1],
+                    scenario, refused["history"][0], refused["trace"][1]]
+        blocks = [json.loads(block) for block in code_blocks(readme_section("The shapes of a run"), "json")]
+        self.assertEqual(blocks, expected)
+
+    def test_the_limits_table_gives_every_field_and_its_default(self):
+        rows = re.findall(r"^\| `(\w+)` \| ([\d.]+) \|", readme_section("The shapes of a run"), re.M)
+        self.assertEqual([(name, float(default)) for name, default in rows],
+                         [(field.name, float(field.default)) for field in dataclasses.fields(Limits)])
+
+    def test_the_own_prototype_example_runs_as_written(self):
+        example = [block for block in code_blocks(readme_section("Use it in your own prototype"), "python")
+                   if "def check(answer, history)" in block]
+        self.assertEqual(len(example), 1)
+        printed = re.search(r"print\(.*\)  # (.*)", example[0]).group(1)
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            exec(compile(example[0], "README.md", "exec"), {"__name__": "readme_example"})
+        self.assertEqual(out.getvalue(), printed + "\n")
 
 
 # Invariants under inputs nobody chose: a seeded property suite. A failing case prints its seed;
@@ -2739,7 +3079,7 @@ class DataLimitTests(RuntimeTestCase):
             with self.subTest(arguments=repr(arguments)[:30], status=status):
                 batch = arguments if type(arguments) is list else [{"call_id": "e", "name": "echo", "arguments": arguments}]
                 result = await run_agent(scripted(calls(*batch)), fixtures=FunctionTools({"echo": lambda **args: "ok"}),
-                                         registry=registry, limits=dataclasses.replace(ROOMY, rounds=1))
+                                         registry=registry, limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
                 self.assertEqual(result["status"], status)
 
 
@@ -2753,7 +3093,10 @@ class InvariantTests(RuntimeTestCase):
         for budget in ("rounds", "calls", "credits"):
             self.assertLessEqual(used[budget], getattr(limits, budget), where)
         stops = [event for event in result["trace"] if event["event"] == "stop"]
-        self.assertEqual(stops, [{"event": "stop", "status": result["status"], **used}], where)
+        self.assertEqual(len(stops), 1, where)
+        self.assertEqual({key: stops[0][key] for key in ("event", "status", *used)},
+                         {"event": "stop", "status": result["status"], **used}, where)
+        self.assertLessEqual(set(stops[0]), {"event", "status", *used, *WHY_FIELDS}, where)
         self.assertEqual(result["trace"][-1]["event"], "stop", where)
         self.assertNotIn("private", json.dumps(result), where)
         if result["status"] == "completed":
@@ -3043,7 +3386,7 @@ class HostileReviewTests(RuntimeTestCase):
 
         registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
         result = await run_agent(scripted(calls(call("a", "f"))), fixtures=FunctionTools({"f": no_match}), registry=registry,
-                                 limits=dataclasses.replace(ROOMY, rounds=1))
+                                 limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
         self.assertEqual((errors(result), result["status"]), (["tool_exception"], "tool_exception"))
         result = await run_agent(agent_loop.responses_model(no_match, "task"), limits=ROOMY)
         self.assertEqual(result["status"], "model_exception")
@@ -3100,7 +3443,7 @@ class HostileReviewTests(RuntimeTestCase):
                 self.assertEqual((await run_agent(accept=raises, limits=ROOMY))["status"], "invalid_final")
                 registry = {"get_rate": dataclasses.replace(CONVERSION_TOOLS["get_rate"], validate=raises)}
                 model = scripted(calls(call("r", "get_rate", base="EUR", quote="USD")))
-                result = await run_agent(model, fixtures=FunctionTools(RateDesk().functions()), registry=registry, limits=ROOMY)
+                result = await run_agent(model, fixtures=FunctionTools(RateDesk().functions()), registry=registry, limits=ROOMY, accept=never_accept)
                 self.assertEqual(result["status"], "invalid_arguments")
                 self.assertEqual(asyncio.current_task().cancelling(), 0)
 
@@ -3131,7 +3474,7 @@ class HostileReviewTests(RuntimeTestCase):
             with self.subTest(function=function):
                 registry = {"get_rate": CONVERSION_TOOLS["get_rate"]}
                 result = await run_agent(scripted(calls(call("r", "get_rate", base="EUR", quote="USD"))), registry=registry,
-                                         fixtures=FunctionTools({"get_rate": function}), limits=dataclasses.replace(ROOMY, rounds=1))
+                                         fixtures=FunctionTools({"get_rate": function}), limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
                 self.assertEqual(observations(result)[0]["data"], {"rate_micros": 1_085_000})
         reply = responses_reply(message(output_text("an answer")))
 
@@ -3158,7 +3501,7 @@ class HostileReviewTests(RuntimeTestCase):
         tools = FunctionTools({"f": fails_late})
         registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
         await run_agent(scripted(calls(call("a", "f"))), fixtures=tools, registry=registry,
-                        limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.05))
+                        limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.05), accept=never_accept)
         self.assertEqual(tools.abandoned, ["a"])
         with self.assertRaises(TimeoutError):
             await asyncio.wait_for(tools.wait_abandoned(30), 0.05)
@@ -3209,7 +3552,7 @@ class HostileReviewTests(RuntimeTestCase):
 
         registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
         result = await run_agent(scripted(calls(call("a", "f"))), fixtures=FunctionTools({"f": blocks}), registry=registry,
-                                 limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.1))
+                                 limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.1), accept=never_accept)
         self.assertEqual(errors(result), ["tool_timeout"])
 
         def empties(answer, history):
@@ -3314,7 +3657,7 @@ class HostileReviewTests(RuntimeTestCase):
         self.assertEqual((result["status"], errors(result)), ("tool_exception", ["tool_exception"] * 2))
         tools = FunctionTools({"f": plain})
         result = await run_agent(scripted(calls(call("a", "f"))), fixtures=tools, registry={"f": ToolSpec(1, True, True, validate=lambda args: True)},
-                                 limits=dataclasses.replace(ROOMY, rounds=1))
+                                 limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
         self.assertEqual(errors(result), ["tool_exception"])  # not a timeout: the thread set its outcome
         self.assertTrue(await tools.wait_abandoned(1))
 
@@ -3394,7 +3737,7 @@ class HostileReviewTests(RuntimeTestCase):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             await run_agent(scripted(calls(call("a", "f"))), fixtures=tools, registry={"f": ToolSpec(1, True, True, validate=lambda args: True)},
-                            limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.05))
+                            limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.05), accept=never_accept)
             gate.set()
             self.assertTrue(await tools.wait_abandoned(30))
             del tools  # the last reference to the late result
