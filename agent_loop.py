@@ -399,6 +399,15 @@ class TemporaryError(Exception):
     """A recoverable tool fault: it becomes an observation, and the model may try again."""
 
 
+class ToolError(Exception):
+    """A tool's own message to the model (an MCP server's isError result): the model may try again, and this one
+    exception's text is kept, as data, because the tool wrote it for the model to read."""
+
+    def __init__(self, message):
+        super().__init__(message)
+        self.message = message
+
+
 class Stop(Exception):
     """Ends the run (or, inside a batch, one call); str(error) is the stop status, and `why` says why in plain data."""
 
@@ -414,7 +423,7 @@ STOP_STATUSES = (
     "invalid_batch", "invalid_call", "invalid_call_id", "duplicate_call_id", "unknown_tool",
     "permission_denied", "invalid_arguments", "repeat_limit", "tool_exception",
 )
-OBSERVATION_ERRORS = ("temporary", "tool_timeout", "batch_aborted")
+OBSERVATION_ERRORS = ("temporary", "tool_timeout", "batch_aborted", "tool_error")
 
 
 # PART 2: fixtures that simulate tool faults, bounded waiting, the call helper and the fake model
@@ -794,6 +803,7 @@ TOOL_ERRORS = (
     (Stop, None, False),
     (TimeoutError, "tool_timeout", True),
     (TemporaryError, "temporary", True),
+    (ToolError, "tool_error", True),  # the tool's message is kept: it is meant for the model
     (PermissionError, "permission_denied", False),
     (Exception, "tool_exception", False),  # never the message: it may hold private text
 )
@@ -805,6 +815,9 @@ def _tool_error(error):
         if issubclass(type(error), raised):  # type(), not isinstance: an object's __class__ may run its code
             if code is None or code == "tool_timeout":  # the runtime's own signals: no class of the tool's to name
                 return code or str(error), retryable, {}
+            if code == "tool_error":
+                message = error.message
+                return code, retryable, {"message": message} if type(message) is str and _is_data(message) else {}
             return code, retryable, {"error_type": _error_type(error)}
 
 
@@ -1551,7 +1564,8 @@ def _output(obs):
     if obs["ok"]:
         result = {"ok": True, "data": obs["data"]}
     else:
-        result = {"ok": False, **{key: obs[key] for key in ("error", "retryable", "reason", "error_type") if key in obs}}
+        result = {"ok": False, **{key: obs[key] for key in ("error", "retryable", "reason", "error_type", "message")
+                                  if key in obs}}
     return json.dumps(result, ensure_ascii=False)
 
 
@@ -1735,6 +1749,73 @@ def messages_model(create, task, registry=TOOLS, **options):
     if "max_tokens" not in options:
         raise ValueError("messages_model needs max_tokens: the Messages API requires it")
     return _model(create, options, ("messages", _task(task)), messages_input, messages_tools(registry), from_messages)
+
+
+# PART 10: tools from an MCP server, under the same preflight, budgets and time limits
+#
+# The module never imports the mcp package: you bring a client session (the official one, or anything
+# with async list_tools() and call_tool(name, arguments)). Both shapes of its results are read: the
+# protocol's dicts (camelCase: inputSchema, isError) and the official SDK's objects, whose model_dump()
+# spells the same fields in snake_case (input_schema, is_error).
+
+def _dumped(value):
+    """A reply as plain dicts: the SDK's pydantic object through model_dump(), a protocol dict as it is."""
+    return value.model_dump() if hasattr(value, "model_dump") else value
+
+
+def _either(value, camel, snake):
+    """A field spelt camelCase by the protocol and snake_case by the SDK's model_dump()."""
+    found = _field(value, camel)
+    return found if found is not None else _field(value, snake)
+
+
+def mcp_registry(listed, read_only=(), parallel_safe=(), cost=1):
+    """A registry of the MCP tools you name in read_only, each with the server's description and inputSchema.
+    A server's readOnlyHint is not a permission: only your read_only makes a tool runnable."""
+    for names in (read_only, parallel_safe):
+        if type(names) not in (list, tuple, set, frozenset) or not all(type(name) is str for name in names):
+            raise ValueError("read_only and parallel_safe must be collections of tool names")
+    listed = _dumped(listed)
+    tools = listed if type(listed) is list else _items(listed, "tools")
+    offered = {_field(tool, "name"): tool for tool in map(_dumped, tools) if type(_field(tool, "name")) is str}
+    for name in (*read_only, *parallel_safe):
+        if name not in offered:
+            raise ValueError(f"{name}: the server does not list it")
+        if name not in read_only:
+            raise ValueError(f"{name}: only a tool named in read_only can be parallel_safe")
+    registry = {}
+    for name in read_only:
+        tool = offered[name]
+        description = _field(tool, "description")
+        registry[name] = ToolSpec(cost, True, name in parallel_safe, description=description if type(description) is str else "",
+                                  parameters=_either(tool, "inputSchema", "input_schema"))
+    return _checked_registry(registry)  # a schema the strict check cannot honour is a ValueError naming the tool
+
+
+class McpTools:
+    """The tools object for run_agent: each call goes to an MCP client session, and its result comes back as
+    plain data."""
+
+    def __init__(self, session):
+        self.session = session
+
+    async def invoke(self, call):
+        """Await session.call_tool(name, arguments); return its structured content, else its content as data."""
+        result = _dumped(await self.session.call_tool(call["name"], call["arguments"]))
+        blocks = _items(result, "content")
+        texts = [_text(block, "text") for block in blocks if _text(block, "type") == "text"]
+        if _either(result, "isError", "is_error") is True:
+            # The server's message to the model, kept as data: MCP means it for the model to read and correct.
+            raise ToolError("\n".join(text for text in texts if text))
+        structured = _either(result, "structuredContent", "structured_content")
+        if structured is not None:
+            return structured
+        if len(blocks) == 1 and texts and texts[0] is not None:
+            try:  # one text block holding JSON: how a server returns a dict without an output schema
+                return json.loads(texts[0])
+            except (ValueError, RecursionError):
+                return texts[0]
+        return blocks
 
 
 if __name__ == "__main__":

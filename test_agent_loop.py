@@ -18,6 +18,7 @@ import platform
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # Time limits far above what any tool or model here needs: on a busy machine only the
 # limits a test is about may fire.
 ROOMY = Limits(tool_seconds=5, model_seconds=5, total_seconds=30)
+SLOW_ROOMY = Limits(tool_seconds=30, model_seconds=30, total_seconds=120)  # for a real server in another process
 
 PLAN = {
     "snapshot": "inventory-v1",
@@ -2825,6 +2827,307 @@ class ReadmeTests(RuntimeTestCase):
         with contextlib.redirect_stdout(io.StringIO()) as out:
             exec(compile(example[0], "README.md", "exec"), {"__name__": "readme_example"})
         self.assertEqual(out.getvalue(), printed + "\n")
+
+
+# PART 10: tools from an MCP server. A fake session speaks the protocol's dicts (camelCase) or hands out objects
+# whose model_dump() gives the official SDK's snake_case; the SDK lane starts a real server over stdio.
+
+def protocol_tool(name, properties, description="", **annotations):
+    tool = {"name": name, "description": description,
+            "inputSchema": {"type": "object", "properties": properties, "required": list(properties),
+                            "title": f"{name}Arguments"}}
+    if annotations:
+        tool["annotations"] = annotations
+    return tool
+
+
+SKU = {"sku": {"title": "Sku", "type": "string"}}
+LISTED = {"tools": [
+    protocol_tool("read_stock", SKU, "Stock of one sku."),
+    protocol_tool("lookup", {"code": {"title": "Code", "type": "string"}}, "Country of a code."),
+    protocol_tool("write_note", {"text": {"type": "string"}}, "Appends a note.", readOnlyHint=True),
+]}
+
+
+def snake_case(value):
+    """What the official SDK 2.x's model_dump() gives: the same fields, spelt in snake_case."""
+    names = {"inputSchema": "input_schema", "isError": "is_error", "structuredContent": "structured_content",
+             "readOnlyHint": "read_only_hint"}
+    if type(value) is dict:
+        return {names.get(key, key): item if key in ("inputSchema", "structuredContent") else snake_case(item)
+                for key, item in value.items()}
+    return [snake_case(item) for item in value] if type(value) is list else value
+
+
+class Dumped:
+    """An SDK result object: model_dump() gives its snake_case dict."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def model_dump(self):
+        return snake_case(self.value)
+
+
+def text_result(*texts, error=False, structured=None):
+    result = {"content": [{"type": "text", "text": text} for text in texts], "isError": error}
+    if structured is not None:
+        result["structuredContent"] = structured
+    return result
+
+
+class FakeSession:
+    """A client session: answers call_tool from a function per tool, and records each call and cancellation."""
+
+    def __init__(self, answers):
+        self.answers, self.asked, self.cancelled = answers, [], []
+
+    async def list_tools(self):
+        return LISTED
+
+    async def call_tool(self, name, arguments):
+        self.asked.append((name, arguments))
+        try:
+            return await self.answers[name](**arguments)
+        except asyncio.CancelledError:
+            self.cancelled.append(name)
+            raise
+
+
+async def stock(sku):
+    return text_result(json.dumps({"sku": sku, "stock": 12}), structured={"sku": sku, "stock": 12})
+
+
+async def country(code):
+    if code != "FR":
+        return text_result(f"unknown code {code!r}", error=True)
+    return text_result("France", structured={"result": "France"})
+
+
+def country_answer(answer, history):
+    """The final check of the MCP task: the answer is what the last successful lookup said."""
+    found = [obs["data"] for record in history for obs in record["observations"] if obs["ok"] and obs["name"] == "lookup"]
+    return bool(found) and canonical(answer) == canonical(found[-1]["result"])
+
+
+class McpTests(RuntimeTestCase):
+    def test_only_the_tools_you_name_are_registered_whatever_the_server_hints(self):
+        for how, listed in (("the protocol's dict", LISTED), ("the SDK's dump", snake_case(LISTED)),
+                            ("the SDK's object", Dumped(LISTED))):
+            with self.subTest(how=how):
+                registry = agent_loop.mcp_registry(listed, read_only=("read_stock", "lookup"), parallel_safe=("lookup",),
+                                                   cost=2)
+                self.assertEqual(list(registry), ["read_stock", "lookup"])  # write_note's readOnlyHint grants nothing
+                read = registry["read_stock"]
+                self.assertEqual((read.cost, read.read_only, read.parallel_safe, read.description),
+                                 (2, True, False, "Stock of one sku."))
+                self.assertEqual(read.parameters, LISTED["tools"][0]["inputSchema"])
+                self.assertTrue(registry["lookup"].parallel_safe)
+
+    def test_what_the_registry_cannot_honour_is_a_value_error(self):
+        nested = {"tools": [{"name": "find", "inputSchema": {"type": "object", "$defs": {}, "properties": {
+            "item": {"$ref": "#/$defs/Item"}}}}]}
+        cases = [
+            (LISTED, {"read_only": ("read_stock", "drop_table")}, "drop_table: the server does not list it"),
+            (LISTED, {"read_only": ("read_stock",), "parallel_safe": ("lookup",)},
+             "lookup: only a tool named in read_only can be parallel_safe"),
+            (LISTED, {"read_only": "read_stock"}, "read_only and parallel_safe must be collections of tool names"),
+            (nested, {"read_only": ("find",)}, "find: parameters: unsupported keyword $defs"),
+        ]
+        for listed, options, message in cases:
+            with self.subTest(message=message):
+                with self.assertRaises(ValueError) as raised:
+                    agent_loop.mcp_registry(listed, **options)
+                self.assertEqual(str(raised.exception), message)
+
+    async def test_a_result_becomes_plain_data(self):
+        results = [  # (what call_tool returned, what the runtime gets)
+            (text_result('{"sku": "A-1", "stock": 12}', structured={"sku": "A-1", "stock": 12}), {"sku": "A-1", "stock": 12}),
+            (text_result('{\n  "sku": "A-1"\n}'), {"sku": "A-1"}),  # a dict without an output schema: one JSON text
+            (text_result("France"), "France"),
+            (text_result("A-1", "B-2"), [{"type": "text", "text": "A-1"}, {"type": "text", "text": "B-2"}]),
+        ]
+        for result, data in results:
+            for shape in (result, Dumped(result)):
+                with self.subTest(result=result, shape=type(shape).__name__):
+                    async def answer(**args):
+                        return shape
+
+                    tools = agent_loop.McpTools(FakeSession({"read_stock": answer}))
+                    self.assertEqual(await tools.invoke(call("a", "read_stock", sku="A-1")), data)
+
+    async def test_a_task_over_mcp_tools_completes_and_an_is_error_result_is_the_models_to_retry(self):
+        session = FakeSession({"read_stock": stock, "lookup": country})
+        registry = agent_loop.mcp_registry(await session.list_tools(), read_only=("read_stock", "lookup"))
+        model = scripted(calls(call("s", "read_stock", sku="A-1"), call("x", "lookup", code="XX")),
+                         calls(call("f", "lookup", code="FR")), final("France"))
+        result = await run_agent(model, fixtures=agent_loop.McpTools(session), registry=registry, accept=country_answer,
+                                 limits=ROOMY)
+        self.assertEqual((result["status"], result["answer"]), ("completed", "France"))
+        failed = observations(result)[1]
+        self.assertEqual((failed["error"], failed["retryable"], failed["message"]),
+                         ("tool_error", True, "unknown code 'XX'"))
+        self.assertEqual(session.asked, [("read_stock", {"sku": "A-1"}), ("lookup", {"code": "XX"}), ("lookup", {"code": "FR"})])
+        self.assertIn("unknown code", agent_loop.chat_messages(result["history"])[2]["content"])  # the model is told
+
+    async def test_a_call_that_raises_returns_no_data_or_hangs_is_bounded_like_any_tool(self):
+        async def raises(sku):
+            raise ConnectionError("private: the session died")
+
+        async def odd(sku):
+            return {"content": [], "structuredContent": {"stock": float("nan")}}
+
+        async def hangs(sku):
+            await asyncio.sleep(30)
+
+        for answer, error in ((raises, "tool_exception"), (odd, "tool_exception"), (hangs, "tool_timeout")):
+            with self.subTest(error=error):
+                session = FakeSession({"read_stock": answer})
+                registry = agent_loop.mcp_registry(LISTED, read_only=("read_stock",))
+                result = await run_agent(scripted(calls(call("s", "read_stock", sku="A-1"))), registry=registry,
+                                         fixtures=agent_loop.McpTools(session), accept=never_accept,
+                                         limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.1))
+                self.assertEqual(errors(result), [error])
+                self.assertEqual(session.cancelled, ["read_stock"] if error == "tool_timeout" else [])
+                self.assertNoPrivateText(result)
+
+    async def test_arguments_are_checked_against_the_servers_schema_before_any_call(self):
+        session = FakeSession({"read_stock": stock})
+        registry = agent_loop.mcp_registry(LISTED, read_only=("read_stock",))
+        result = await run_agent(scripted(calls(call("s", "read_stock", sku=7))), registry=registry,
+                                 fixtures=agent_loop.McpTools(session), accept=never_accept, limits=ROOMY)
+        self.assertEqual((result["status"], result["trace"][-1]["reason"], session.asked),
+                         ("invalid_arguments", "sku: expected string", []))
+
+
+try:
+    from mcp import ClientSession, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+except ImportError:
+    ClientSession = None
+
+# A real MCP server, written with the official package, run over stdio by the SDK lane's tests.
+MCP_SERVER = """
+import asyncio, os
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import ToolAnnotations
+
+server = MCPServer("inventory-test", log_level="WARNING")  # quiet about the isError results it sends
+STOCK = {"A-1": 12, "B-2": 0}
+
+@server.tool()
+def read_stock(sku: str) -> dict[str, int]:
+    '''Stock of one sku.'''
+    return {"stock": STOCK.get(sku, 0)}
+
+@server.tool()
+def lookup(code: str) -> str:
+    '''Country of a two-letter code.'''
+    if code != "FR":
+        raise ToolError(f"unknown code {code!r}")
+    return "France"
+
+@server.tool()
+async def slow(seconds: float) -> str:
+    '''Sleeps.'''
+    if "MCP_STARTED" in os.environ:
+        open(os.environ["MCP_STARTED"], "w").close()
+    await asyncio.sleep(seconds)
+    return "slept"
+
+@server.tool(annotations=ToolAnnotations(read_only_hint=True))
+def write_note(text: str) -> str:
+    '''Appends a note, though it hints that it only reads.'''
+    with open(os.environ.get("MCP_NOTES", "notes.txt"), "a") as notes:
+        notes.write(text)
+    return "ok"
+
+if "MCP_PIDFILE" in os.environ:
+    with open(os.environ["MCP_PIDFILE"], "w") as pidfile:
+        pidfile.write(str(os.getpid()))
+server.run()
+"""
+
+
+class McpServerTests(RuntimeTestCase):
+    """A real MCP server over stdio, under the runtime; skipped, saying why, without the official mcp package."""
+
+    async def asyncSetUp(self):
+        if ClientSession is None:
+            self.skipTest("the official mcp package is not installed (.ci/run installs it in its SDK lane)")
+        self.allowBlockingSteps()
+        folder = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, folder)
+        self.files = {name: os.path.join(folder, name) for name in ("MCP_PIDFILE", "MCP_STARTED", "MCP_NOTES")}
+        self.server = StdioServerParameters(command=sys.executable, args=["-c", MCP_SERVER], env=self.files)
+        self.log = open(os.path.join(folder, "server.log"), "w")  # what the server says on stderr stays out of ours
+        self.addCleanup(self.log.close)
+
+    async def test_a_real_servers_tools_run_under_the_runtime_and_its_hints_grant_nothing(self):
+        async with stdio_client(self.server, self.log) as (read, write), ClientSession(read, write) as session:
+            await session.initialize()
+            listed = await session.list_tools()
+            hinted = {tool.name for tool in listed.tools if tool.annotations and tool.annotations.read_only_hint}
+            self.assertEqual(hinted, {"write_note"})
+            registry = agent_loop.mcp_registry(listed, read_only=("read_stock", "lookup", "slow"))
+            self.assertNotIn("write_note", registry)
+            tools = agent_loop.McpTools(session)
+
+            model = scripted(calls(call("s", "read_stock", sku="A-1"), call("x", "lookup", code="XX")),
+                             calls(call("f", "lookup", code="FR")), final("France"))
+            result = await run_agent(model, fixtures=tools, registry=registry, accept=country_answer, limits=SLOW_ROOMY)
+            self.assertEqual((result["status"], result["answer"]), ("completed", "France"))
+            read, refused = observations(result)[:2]
+            self.assertEqual(read["data"], {"stock": 12})
+            self.assertEqual((refused["error"], refused["retryable"]), ("tool_error", True))
+            self.assertIn("unknown code 'XX'", refused["message"])
+
+            result = await run_agent(scripted(calls(call("w", "write_note", text="x"))), fixtures=tools, registry=registry,
+                                     accept=never_accept, limits=SLOW_ROOMY)
+            self.assertEqual(result["status"], "unknown_tool")
+            self.assertFalse(os.path.exists(self.files["MCP_NOTES"]))
+
+            limits = dataclasses.replace(SLOW_ROOMY, rounds=1, tool_seconds=0.5)
+            result = await run_agent(scripted(calls(call("z", "slow", seconds=30))), fixtures=tools, registry=registry,
+                                     accept=never_accept, limits=limits)
+            self.assertEqual(errors(result), ["tool_timeout"])
+            self.assertEqual((await tools.invoke(call("again", "read_stock", sku="B-2"))), {"stock": 0})  # still usable
+
+    async def test_the_readmes_mcp_example_runs_as_written(self):
+        (example,) = code_blocks(readme_section("Tools from an MCP server"), "python")
+        folder = os.path.dirname(self.files["MCP_NOTES"])
+        with open(os.path.join(folder, "your_server.py"), "w") as server:
+            server.write(MCP_SERVER)
+        namespace = {}
+        exec(compile(example, "README.md", "exec"), namespace)
+        model = scripted(calls(call("x", "lookup", code="XX")), calls(call("f", "lookup", code="FR")), final("France"))
+        here = os.getcwd()
+        path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")  # python3: this Python
+        os.chdir(folder)
+        try:
+            with unittest.mock.patch.dict(os.environ, {"PATH": path}):
+                result = await namespace["run_with_the_server"](model, country_answer)
+        finally:
+            os.chdir(here)
+        self.assertEqual((result["status"], errors(result)), ("completed", ["tool_error"]))
+
+    async def test_a_server_killed_in_the_middle_of_a_call_ends_it_tool_exception(self):
+        async with stdio_client(self.server, self.log) as (read, write), ClientSession(read, write) as session:
+            await session.initialize()
+            registry = agent_loop.mcp_registry(await session.list_tools(), read_only=("slow",))
+
+            async def kill_once_started():
+                await wait_until(lambda: os.path.exists(self.files["MCP_STARTED"]), 30)
+                with open(self.files["MCP_PIDFILE"]) as pidfile:
+                    os.kill(int(pidfile.read()), signal.SIGKILL)
+
+            killer = asyncio.create_task(kill_once_started())
+            result = await run_agent(scripted(calls(call("z", "slow", seconds=60))), fixtures=agent_loop.McpTools(session),
+                                     registry=registry, accept=never_accept, limits=dataclasses.replace(SLOW_ROOMY, rounds=1))
+            await killer
+            self.assertEqual((result["status"], errors(result)), ("tool_exception", ["tool_exception"]))
+            self.assertEqual(result["trace"][-1]["error_type"], "MCPError")
 
 
 # Invariants under inputs nobody chose: a seeded property suite. A failing case prints its seed;
