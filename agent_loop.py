@@ -643,8 +643,10 @@ def _named(name):
 
 def _argument_error(name, spec, args):
     """Why the tool refuses these arguments (the schema's reason, or the check that refused them), or None."""
-    if type(args) is not dict or not _is_data(args):
+    if type(args) is not dict:
         return "arguments: not a JSON object"
+    if not _is_data(args):
+        return "arguments: not plain JSON data within the limits"
     if spec.parameters is not None:
         reason = schema_error(spec.parameters, args)
         if reason:
@@ -787,11 +789,11 @@ def _finite(number):
 
 
 def _kind(decision):
-    """The decision's kind if it is plain data (a model's object never enters the trace), else None."""
+    """The decision's kind if it is short text, else None: a model's object never enters the trace."""
     if not all(type(key) is str for key in decision):  # a foreign key could run code on lookup
         return None
     kind = decision.get("kind")
-    return kind if _is_data(kind) else None
+    return kind if type(kind) is str and len(kind) <= 80 and _is_data(kind) else None
 
 
 def _failure(item, error, retryable, **why):
@@ -822,12 +824,15 @@ def _tool_error(error):
 
 
 def _error_type(error):
-    """The class name of what was raised (for a _Fault, of what was raised in the first place)."""
-    return error.error_type if type(error) is _Fault else _class_name(type(error))
+    """The class name of what was raised (for a _Fault, of what was raised in the first place), at most 80 long."""
+    return (error.error_type if type(error) is _Fault else _class_name(type(error)))[:80]
 
 
-# A batch that preflight refused for one of these may become an observation instead of the end of the run.
+# A batch that preflight refused for one of these may become an observation instead of the end of the run, if
+# it holds at most MAX_CALLS_OBSERVED calls, each with a name that every provider takes back in a replay.
 REFUSALS_TO_OBSERVE = ("invalid_batch", "invalid_arguments", "unknown_tool", "permission_denied")
+MAX_CALLS_OBSERVED = 8  # twice what a batch may hold: a model that sends more is not correcting a slip
+REPLAYABLE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the tool names all three providers accept
 
 
 async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None, registry=None, accept=accepted,
@@ -845,7 +850,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
         raise ValueError("accept must be a plain function")
     if on_refused not in ("stop", "observe"):
         raise ValueError("on_refused must be 'stop' or 'observe'")
-    if on_event is not None and not callable(on_event):
+    if on_event is not None and (not callable(on_event) or inspect.isasyncgenfunction(on_event)):
         raise ValueError("on_event must be a function or None")
 
     deadline = loop.time() + limits.total_seconds
@@ -936,17 +941,30 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
         return None, calls, ids, signatures
 
     async def refused(stop, decision, turn):
-        """Record a batch that preflight refused as a round of failed observations, if it can be: every call a
-        dict with a new call id, the whole plain data. Return True if it was recorded."""
+        """Record a batch that preflight refused as a round of failed observations, if it can be; return True if
+        it was. It cannot when a call in it would stop the run whatever came first (a call that is not a dict,
+        a bad or repeated id, a repeated signature past its attempts): that stops it instead, with its status."""
         calls = decision.get("calls") if type(decision) is dict else None
-        if (on_refused != "observe" or str(stop) not in REFUSALS_TO_OBSERVE or type(calls) is not list or not calls
-                or not _is_data(calls, depth=-2)):
+        if (on_refused != "observe" or str(stop) not in REFUSALS_TO_OBSERVE or type(calls) is not list
+                or not 1 <= len(calls) <= MAX_CALLS_OBSERVED or not _is_data(calls, depth=-2)):
             return False
-        cids = [item.get("call_id") if _has_keys(item, CALL_KEYS) and type(item["name"]) is str else None
-                for item in calls]
-        if not all(type(cid) is str and 1 <= len(cid) <= 80 for cid in cids) or len(set(cids)) < len(cids) \
-                or used_ids & set(cids):
-            return False
+        cids, seen = [], Counter()
+        for item in calls:  # every check of preflight that stops even an observed batch, on every call
+            if not _has_keys(item, CALL_KEYS):
+                raise Stop("invalid_call", reason="a call is a dict of exactly call_id, name and arguments")
+            cid, name = item["call_id"], item["name"]
+            if type(cid) is not str or not 1 <= len(cid) <= 80:
+                raise Stop("invalid_call_id", reason="a call id is a string of 1 to 80 characters")
+            if cid in used_ids or cid in cids:
+                raise Stop("duplicate_call_id", call_id=cid, reason="the call id was used before")
+            if type(name) is not str or not REPLAYABLE_NAME.fullmatch(name):
+                return False  # no provider would take it back: the refusal stops the run
+            signature = canonical([name, item["arguments"]])
+            seen[signature] += 1
+            if attempts.get(signature, 0) + seen[signature] > limits.attempts:
+                raise Stop("repeat_limit", call_id=cid, name=name,
+                           reason=f"the same tool and arguments at most {limits.attempts} times")
+            cids.append(cid)
         why = stop.why
         record = {"round": turn, "calls": calls, "observations": [
             _failure(item, str(stop), True, reason=why["reason"] if why.get("call_id", cid) == cid else
@@ -1037,6 +1055,11 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
                     raise Stop(obs["error"], **why)
         raise Stop("round_limit", reason=f"all {limits.rounds} rounds were used")
     except Stop as stop:
+        if str(stop) not in ("cancelled", "deadline"):
+            try:
+                time_left()  # a stop decided only after a cancel or the deadline (your check ran late): those came first
+            except Stop as late:
+                stop = late
         return await finish(str(stop), why=stop.why)
     finally:
         await _settle(cancel_wait)
@@ -1052,6 +1075,10 @@ async def _called(function, *args):
 
 def _checked_tools(fixtures, registry, accept):
     """The tools of the run (the inventory's Fixtures by default); ValueError for a mix that cannot work."""
+    if fixtures is not None and not callable(getattr(fixtures, "invoke", None)):
+        raise ValueError("fixtures must have an async invoke(call) method")
+    if registry is None and isinstance(fixtures, FunctionTools):
+        raise ValueError("registry: give the registry of your FunctionTools; the default is the inventory's")
     own = [name for name in (registry or ()) if name not in TOOLS]
     if own and fixtures is None:
         raise ValueError(f"fixtures: the default Fixtures serve only the inventory's tools, not {own[0]}")
@@ -1170,6 +1197,9 @@ class FunctionTools:
 
     def __init__(self, functions):
         self.functions = dict(functions)
+        for name, function in self.functions.items():
+            if not callable(function):
+                raise ValueError(f"{name}: not a function")
         self.abandoned = []  # ids of calls whose thread was still running when the runtime stopped waiting
         self._threads = []   # their futures, to wait for
 
@@ -1488,7 +1518,6 @@ async def bench(quick=False, as_json=False):
 # history replayed as the provider's turns, and a model for run_agent built from them. Replies are
 # untrusted data: every field is read by its exact type, and nothing in a reply can make them raise.
 
-_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the names all three providers accept
 
 
 def _declarations(registry):
@@ -1498,7 +1527,7 @@ def _declarations(registry):
     for name, spec in registry.items():
         if spec.parameters is None:
             raise ValueError(f"{name}: no parameters to offer the model")
-        if not _TOOL_NAME.fullmatch(name):
+        if not REPLAYABLE_NAME.fullmatch(name):
             raise ValueError(f"{name}: a tool name must be 1 to 64 letters, digits, _ or -")
         # Strict mode only where the providers' rules hold (every object closed, every property required).
         declared.append((name, spec.description, _copy(spec.parameters), _strict(spec.parameters)))
@@ -1542,7 +1571,7 @@ def _arguments(text):
         value = json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except (TypeError, ValueError, RecursionError):
         return text
-    return value if type(value) is dict else text
+    return value if type(value) is dict and _is_data(value) else text  # NaN or a huge number: still the text
 
 
 def _decide(calls, text, refused):
@@ -1570,8 +1599,9 @@ def _output(obs):
 
 
 def _encoded(arguments):
-    """Arguments as JSON text; text the model sent that was not a JSON object (a refused call) goes back as it came."""
-    return arguments if type(arguments) is str else json.dumps(arguments, ensure_ascii=False)
+    """Arguments as JSON text. A refused call's arguments that were not a JSON object go back as {}: providers
+    refuse malformed JSON in a replay, and the call's output says what was wrong with them."""
+    return json.dumps(arguments if type(arguments) is dict else {}, ensure_ascii=False)
 
 
 async def _ask(create, request):
@@ -1731,7 +1761,7 @@ def messages_input(history):
     for record in history:
         messages.append({"role": "assistant", "content": [
             {"type": "tool_use", "id": item["call_id"], "name": item["name"],
-             "input": item["arguments"] if type(item["arguments"]) is dict else {}}  # a refused call's, if not an object
+             "input": item["arguments"] if type(item["arguments"]) is dict else {}}  # as _encoded() does
             for item in record["calls"]]})
         results = []
         for obs in record["observations"]:

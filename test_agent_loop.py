@@ -2659,8 +2659,12 @@ class WhyTests(RuntimeTestCase):
             ((calls(call("a", partition="north"), call("b", partition="south")),), "call_limit"),
             ((calls("read north"),), "invalid_call"),
             ((calls({**north, "call_id": ""}),), "invalid_call_id"),
-            ((calls(north), calls(east, north)), "invalid_arguments"),  # a call id used in an earlier round
-            ((calls(east, {**east, "arguments": {"partition": "north"}}),), "invalid_arguments"),  # an id twice
+            ((calls(north), calls(east, north)), "duplicate_call_id"),  # a call id of an earlier round, after a refusal
+            ((calls(east, {**east, "arguments": {"partition": "north"}}),), "duplicate_call_id"),  # an id twice
+            ((calls(north), calls(call("n2", partition="north")),  # two reads of north, then an unknown tool and a third
+              calls(call("x", "place_order"), call("n3", partition="north"))), "repeat_limit"),
+            ((calls(call("m", "multi_tool_use.parallel")),), "unknown_tool"),  # a name no provider takes back
+            ((calls(*(call(f"c{i}", partition="north") for i in range(9))),), "invalid_batch"),  # 9 calls: not a slip
             ((calls({**north, "name": 7}),), "unknown_tool"),  # a name that is not text cannot be replayed
             ((calls(),), "invalid_batch"),
         ]
@@ -2742,6 +2746,75 @@ class WhyTests(RuntimeTestCase):
                     await run_agent(scripted(asked.append), limits=ROOMY, **options)
                 self.assertEqual((str(raised.exception), asked), (message, []))
 
+    async def test_a_decision_the_model_changes_while_its_watcher_waits_leaves_a_true_and_plain_trace(self):
+        kind, seen = ["calls"], []
+
+        async def model(history):
+            async def later():
+                await asyncio.sleep(0.005)
+                kind.append(float("nan"))
+                kind.append(kind)
+
+            asyncio.get_running_loop().create_task(later())
+            return {"kind": kind, "calls": [object()]}
+
+        async def watcher(event):
+            await asyncio.sleep(0.02)
+            seen.append(event)
+
+        result = await run_agent(model, on_event=watcher, limits=ROOMY)
+        self.assertEqual((result["status"], seen), ("invalid_decision", result["trace"]))
+        self.assertEqual(result["trace"][0]["kind"], None)  # only a short text ever stands for a kind
+        json.dumps(result, allow_nan=False)
+
+    async def test_a_refusal_decided_after_the_deadline_says_deadline(self):
+        self.allowBlockingSteps()
+
+        def late_no(*args):
+            time.sleep(0.5)
+            return False
+
+        limits = Limits(tool_seconds=5, model_seconds=5, total_seconds=0.3)
+        registry = {"read_partition": dataclasses.replace(TOOLS["read_partition"], validate=late_no)}
+        for options in ({"registry": registry}, {"registry": registry, "on_refused": "observe"}, {"accept": late_no}):
+            with self.subTest(options=sorted(options)):
+                result = await run_agent(limits=limits, **options)
+                self.assertEqual(result["status"], "deadline")
+
+    async def test_mistakes_in_what_you_give_are_value_errors_before_the_model_is_asked(self):
+        async def watcher(event):
+            yield event
+
+        class Named(Exception):
+            pass
+
+        with self.assertRaises(ValueError) as raised:
+            FunctionTools({"get": None})
+        self.assertEqual(str(raised.exception), "get: not a function")
+        cases = [
+            ({"fixtures": {"get_rate": dict}, "registry": CONVERSION_TOOLS, "accept": conversion_accepted},
+             "fixtures must have an async invoke(call) method"),
+            ({"fixtures": FunctionTools(RateDesk().functions())},
+             "registry: give the registry of your FunctionTools; the default is the inventory's"),
+            ({"on_event": watcher}, "on_event must be a function or None"),
+        ]
+        for options, message in cases:
+            with self.subTest(message=message):
+                asked = []
+                with self.assertRaises(ValueError) as raised:
+                    await run_agent(scripted(asked.append), limits=ROOMY, **options)
+                self.assertEqual((str(raised.exception), asked), (message, []))
+
+    async def test_an_exception_class_name_is_kept_short(self):
+        Long = type("E" * 100_000, (Exception,), {})
+
+        class Raises(Fixtures):
+            async def invoke(self, call):
+                raise Long()
+
+        result = await run_agent(fixtures=Raises(delays={}), limits=ROOMY)
+        self.assertEqual(result["trace"][-1]["error_type"], "E" * 80)
+
     async def test_every_bridge_replays_a_refused_round_so_the_model_can_correct_itself(self):
         for name, (make_model, options, calls_reply, text_reply) in BRIDGES.items():
             with self.subTest(bridge=name):
@@ -2757,6 +2830,10 @@ class WhyTests(RuntimeTestCase):
                 self.assertIn("c1", second)
                 self.assertIn("partition: not one of the allowed values" if name == "messages" else
                               "arguments: not a JSON object", second)
+                replayed = (agent_loop.messages_input if name == "messages" else agent_loop.chat_messages)(result["history"])
+                first = replayed[0]["content"][0]["input"] if name == "messages" else \
+                    replayed[0]["tool_calls"][0]["function"]["arguments"]
+                self.assertEqual(first, bad if name == "messages" else "{}")  # malformed JSON goes back as {}
 
 
 def help_as(program):
