@@ -3,6 +3,7 @@
     python3 agent_loop.py demo        # the normal run, then a run where north fails once
     python3 agent_loop.py scenarios   # one small run per stop status
     python3 agent_loop.py bench       # what parallel batches and bounded waits buy, what the runtime costs
+    python3 agent_loop.py demo --timeline   # each demo run drawn on a time axis (--svg FILE for a browser)
     python3 -m unittest               # the tests
 """
 
@@ -1120,25 +1121,33 @@ async def demo():
 
 
 def main(argv=None):
-    """Run the command line: `demo` (the default), `scenarios`, `bench`."""
+    """Run the command line: `demo` (the default), `scenarios`, `bench`; `--timeline` or `--svg` draw a run."""
     parser = argparse.ArgumentParser(  # named as it was started: agent_loop.py, or agent-loop once installed
         description="Run a model's tool calls under budgets, time limits and an independent final check.",
     )
     commands = parser.add_subparsers(dest="command", title="commands")
-    commands.add_parser("demo", help="the normal run, then north failing once (the default)")
+    shown = commands.add_parser("demo", help="the normal run, then north failing once (the default)")
     atlas = commands.add_parser("scenarios", help="one small run per stop status, and why it stopped")
     atlas.add_argument("name", nargs="?", choices=[scenario[0] for scenario in ATLAS], metavar="NAME",
                        help="print this scenario's trace events as they happen, then its status and answer")
     atlas.add_argument("--json", action="store_true", help="print the table as a JSON list")
+    for command in (shown, atlas):
+        command.add_argument("--timeline", action="store_true", help="draw the run on a time axis after it")
+        command.add_argument("--svg", metavar="FILE", help="write the drawing to FILE as an SVG document")
     timing = commands.add_parser("bench", help="measure parallel batches, overhead, time limits and growth")
     timing.add_argument("--quick", action="store_true", help="fewer repeats: a smoke run of a few seconds")
     timing.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = parser.parse_args(argv)
+    drawn = getattr(args, "timeline", False) or getattr(args, "svg", None)
+    if args.command == "scenarios" and drawn and not args.name:
+        parser.error("--timeline and --svg draw one scenario: give its NAME")
     try:
         if args.command == "scenarios":
-            asyncio.run(scenarios(args.name, args.json))
+            asyncio.run(scenarios(args.name, args.json, args.timeline, args.svg))
         elif args.command == "bench":
             asyncio.run(bench(args.quick, args.json))
+        elif drawn:
+            asyncio.run(drawn_demo(args.timeline, args.svg))
         else:
             asyncio.run(demo())
         sys.stdout.flush()  # here, not at exit, so that a reader who stopped reading is handled below
@@ -1316,16 +1325,18 @@ class _CancelAfter(Fixtures):
         return await super().invoke(call)
 
 
-async def run_scenario(name, on_event=None):
-    """Run one scenario of the atlas; return (result, fixtures)."""
+async def run_scenario(name, on_event=None, timeline=None):
+    """Run one scenario of the atlas, drawn by timeline if one is given; return (result, fixtures)."""
     how = next(how for title, _, how in ATLAS if title == name)
     cancel = asyncio.Event()
     fixtures = _CancelAfter(failures=copy.deepcopy(how.get("failures", {})), inject=how.get("inject", False),
                             cancel=cancel, after=how.get("cancel_after", 0))
     registry = {tool: replace(spec, **how.get("registry", {}).get(tool, {})) for tool, spec in TOOLS.items()}
     limits = replace(Limits(), **how.get("limits", {}))
-    model = how.get("model", fake_model)
-    result = await run_agent(model, limits=limits, fixtures=fixtures, cancel=cancel, registry=registry,
+    model, tools = how.get("model", fake_model), fixtures
+    if timeline is not None:
+        model, tools, on_event = timeline.model(model), timeline.tools(fixtures), timeline.watching(on_event)
+    result = await run_agent(model, limits=limits, fixtures=tools, cancel=cancel, registry=registry,
                              on_event=on_event)
     return result, fixtures
 
@@ -1334,14 +1345,18 @@ def _errors(result):
     return [obs["error"] for record in result["history"] for obs in record["observations"] if not obs["ok"]]
 
 
-async def scenarios(name=None, as_json=False):
-    """Print the atlas as a table (or JSON), or one scenario's events as they happen, then its status and answer."""
+async def scenarios(name=None, as_json=False, timeline=False, svg=None):
+    """Print the atlas as a table (or JSON), or one scenario's events as they happen, then its status and answer
+    (and its drawing, with timeline or svg)."""
     if name is not None:
         print(f"{name}: each trace event as it happens")
-        result, fixtures = await run_scenario(name, on_event=lambda event: _show(event, sort_keys=True))
+        recorder = Timeline() if timeline or svg else None
+        result, fixtures = await run_scenario(name, lambda event: _show(event, sort_keys=True), recorder)
         print(name, result["status"], result["used"])
         print("finish order:", fixtures.finished)
         _show(result["answer"])
+        if recorder is not None:
+            _draw([(name, recorder, result)], timeline, svg)
         return
     rows = []
     for title, why, _ in ATLAS:
@@ -1846,6 +1861,244 @@ class McpTools:
             except (ValueError, RecursionError):
                 return texts[0]
         return blocks
+
+
+# PART 11: see a run: its decisions and calls drawn on a time axis
+
+# The colour of a bar in SVG, by how its lane ended (a decision's lane by its kind).
+_COLOURS = {"ok": "#2f9e44", "temporary": "#f08c00", "tool_error": "#f08c00", "tool_timeout": "#e8590c",
+            "cancelled": "#7048e8", "deadline": "#c92a2a", "decision": "#1c7ed6"}
+_FAILED = "#c92a2a"  # any other way a call ended: a fault, a refusal, a call that never started
+
+
+class Timeline:
+    """A recorder that draws a run: when each decision was asked and answered, when each call started and
+    ended, with its outcome, and the limits that acted, on the event loop's clock."""
+
+    def __init__(self):
+        self.decisions = []  # (asked, answered) of each decision, in order: one per round
+        self.calls = {}      # call_id -> (started, ended)
+        self.events = []     # (time, trace event)
+
+    @staticmethod
+    def _now():
+        return asyncio.get_running_loop().time()
+
+    def model(self, model):
+        """The model, wrapped so that each decision's asking and answering are recorded."""
+        async def timed(history):
+            asked = self._now()
+            try:
+                return await _called(model, history)
+            finally:
+                self.decisions.append((asked, self._now()))
+
+        return timed
+
+    def tools(self, tools):
+        """The tools object, wrapped so that each call's start and end are recorded; nothing else changes."""
+        return _TimedTools(self, tools)
+
+    def event(self, event):
+        """For run_agent(on_event=...): record each trace event as it happens."""
+        self.events.append((self._now(), event))
+
+    def watching(self, on_event=None):
+        """An on_event that records each event, then hands it to on_event too (a plain function), if given."""
+        def both(event):
+            self.event(event)
+            if on_event is not None:
+                on_event(event)
+
+        return both
+
+    def lanes(self, result):
+        """What the drawing shows: per round, a lane for the decision and one per call (name, tool, start, end,
+        outcome), the limits that acted (limit, time, round), and the run's status."""
+        rounds, marks = {}, []
+        stop = result["trace"][-1]
+        kinds = {event["round"]: event["kind"] for _, event in self.events if event["event"] == "decision"}
+        for number, (asked, answered) in enumerate(self.decisions, 1):
+            kind = kinds.get(number)
+            if kind not in ("calls", "final"):  # no decision came, or none that could be acted on
+                kind = stop["status"] if number == len(self.decisions) else str(kind)
+            rounds[number] = [("model", "decision", asked, answered, kind)]
+        for record in result["history"]:
+            for obs in record["observations"]:
+                started, ended = self.calls.get(obs["call_id"], (None, None))
+                outcome = "ok" if obs["ok"] else obs["error"]
+                rounds.setdefault(record["round"], []).append((obs["call_id"], obs["name"], started, ended, outcome))
+        last = max(rounds, default=None)
+        for number, lanes in rounds.items():  # a call cut off by time: its own limit, or the run's deadline
+            for _, tool, _, ended, outcome in lanes:
+                if outcome in ("tool_timeout", "model_timeout") and ended is not None:
+                    by_deadline = stop["status"] == "deadline" and number == last
+                    limit = "deadline" if by_deadline else "model_seconds" if tool == "decision" else "tool_seconds"
+                    marks.append((limit, ended, number))
+        limit = {"deadline": "deadline", "cancelled": "cancel"}.get(stop["status"])
+        if limit and last is not None and not any(mark[0] == limit for mark in marks):
+            cut = [ended for *_, ended, outcome in rounds[last] if outcome == stop["status"] and ended is not None]
+            when = min(cut) if cut else self.events[-1][0] if self.events else None
+            if when is not None:
+                marks.append((limit, when, last))
+        earliest = {}  # one mark per limit and round: where it first acted
+        for limit, when, number in marks:
+            earliest[limit, number] = min(when, earliest.get((limit, number), when))
+        return rounds, [(limit, when, number) for (limit, number), when in earliest.items()], stop["status"]
+
+    def _axis(self, rounds, marks):
+        """(start, span) in seconds of everything recorded."""
+        times = [t for lanes in rounds.values() for lane in lanes for t in lane[2:4] if t is not None]
+        times += [t for _, t, _ in marks] + [t for t, _ in self.events]
+        if not times:
+            return 0.0, 1e-3
+        return min(times), max(max(times) - min(times), 1e-3)
+
+    def text(self, result, width=100):
+        """The run as a terminal drawing: a lane per decision and per call with a bar from its start to its end and
+        its outcome after it; parallel calls overlap, serial ones follow each other; the limits that acted are
+        marked where they acted, under a scale in milliseconds."""
+        rounds, marks, status = self.lanes(result)
+        start, span = self._axis(rounds, marks)
+        label, columns = 30, max(width - 30 - 16, 20)
+
+        def at(t):
+            return min(int((t - start) / span * columns), columns - 1)
+
+        digits = _ms_digits(span)
+        scale = [" "] * columns
+        for text, where in (("0 ms", 0), (f"{span * 500:.{digits}f} ms", columns // 2),
+                            (f"{span * 1000:.{digits}f} ms", None)):
+            where = columns - len(text) if where is None else where
+            scale[where:where + len(text)] = text
+        lines = [" " * label + "".join(scale), " " * label + "|" + "-" * (columns - 2) + "|"]
+        for number in sorted(rounds):
+            lines.append(f"round {number}")
+            for name, tool, began, ended, outcome in rounds[number]:
+                row = [" "] * columns
+                if began is None:  # it never started: refused, aborted, or overtaken by a stop
+                    admitted = rounds[number][0][3] if rounds[number][0][1] == "decision" else None
+                    row[at(admitted) if admitted is not None else 0] = "."
+                else:
+                    first, last = at(began), at(ended)
+                    row[first:last + 1] = "=" * (last - first + 1)
+                lane = "model" if tool == "decision" else f"{name} {tool}"
+                lines.append(f"  {lane[:label - 3]:<{label - 2}}{''.join(row)} {outcome}")
+            for limit, when, where in sorted(marks, key=lambda mark: mark[1]):
+                if where == number:
+                    lines.append(" " * (label + at(when)) + f"^ {limit}")
+        lines.append(f"{status}: {span * 1000:.{digits}f} ms from the first decision asked; one column is "
+                     f"{span / columns * 1000:.2f} ms")
+        return "\n".join(line.rstrip() for line in lines) + "\n"
+
+    def svg(self, result, title="agent_loop run"):
+        """The same drawing as a standalone SVG document: lanes, bars coloured by outcome, limit lines, labels and a
+        legend."""
+        return _svg_document([(title, self, result)])
+
+
+class _TimedTools:
+    """A tools object that records when each call starts and ends, and passes every call on as it is."""
+
+    def __init__(self, timeline, tools):
+        self.timeline, self.inner = timeline, tools
+
+    async def invoke(self, call):
+        started = self.timeline._now()
+        try:
+            return await self.inner.invoke(call)
+        finally:
+            self.timeline.calls[call["call_id"]] = (started, self.timeline._now())
+
+
+def _ms_digits(span):
+    """Decimals a scale in milliseconds needs for a run of `span` seconds: none, unless the run was very short."""
+    return 2 if span < 0.002 else 1 if span < 0.02 else 0
+
+
+async def drawn_demo(text=True, svg=None):
+    """The demo, each run printed as the demo prints it, then drawn: on the terminal, or into an SVG file."""
+    drawings = []
+    for title, make_fixtures in DEMO_RUNS:
+        fixtures, timeline = make_fixtures(), Timeline()
+        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(fixtures), on_event=timeline.event)
+        show_run(title, result, fixtures)
+        drawings.append((title, timeline, result))
+        _draw(drawings[-1:], text, None)
+    _draw(drawings, False, svg)
+
+
+def _draw(runs, text, svg):
+    """Print each (title, timeline, result) as text, and write them all to the file svg as one SVG document."""
+    for title, timeline, result in runs if text else ():
+        print(timeline.text(result), end="")
+    if svg:
+        with open(svg, "w", encoding="utf-8") as file:
+            file.write(_svg_document(runs))
+
+
+def _svg_document(runs):
+    """One SVG document that draws each (title, timeline, result) in a band of its own, one under the other."""
+    from xml.sax.saxutils import escape
+    width, label, tail, row = 960, 250, 120, 20
+    bars = width - label - tail
+    body, y = [], 10
+    for title, timeline, result in runs:
+        rounds, marks, status = timeline.lanes(result)
+        start, span = timeline._axis(rounds, marks)
+
+        def x(t):
+            return label + (t - start) / span * bars
+
+        body.append(f'<text x="10" y="{y + 15}" class="title">{escape(title)}: {escape(status)}</text>')
+        y += 30
+        for fraction in (0, 0.25, 0.5, 0.75, 1):
+            tick = label + fraction * bars
+            body.append(f'<line x1="{tick:.1f}" y1="{y}" x2="{tick:.1f}" y2="{y + 6}" class="axis"/>'
+                        f'<text x="{tick:.1f}" y="{y - 3}" class="tick">'
+                        f'{span * fraction * 1000:.{_ms_digits(span)}f} ms</text>')
+        body.append(f'<line x1="{label}" y1="{y}" x2="{label + bars}" y2="{y}" class="axis"/>')
+        y += 12
+        for number in sorted(rounds):
+            body.append(f'<text x="10" y="{y + 14}" class="round">round {number}</text>'
+                        f'<line x1="10" y1="{y + 2}" x2="{width - 10}" y2="{y + 2}" class="separator"/>')
+            y += row
+            first = y
+            for name, tool, began, ended, outcome in rounds[number]:
+                kind = "decision" if tool == "decision" else "call"
+                colour = _COLOURS["decision" if kind == "decision" else outcome] if (
+                    kind == "decision" or outcome in _COLOURS) else _FAILED
+                if began is None:
+                    left, length, colour = label, 2.0, "#868e96"
+                else:
+                    left, length = x(began), max(x(ended) - x(began), 2.0)
+                lane = "model" if kind == "decision" else f"{name} {tool}"
+                body.append(f'<text x="20" y="{y + 14}" class="lane">{escape(lane)}</text>'
+                            f'<rect class="{kind}" x="{left:.1f}" y="{y + 4}" width="{length:.1f}" height="{row - 8}" '
+                            f'fill="{colour}"><title>{escape(lane)}: {escape(outcome)}</title></rect>'
+                            f'<text x="{label + bars + 8}" y="{y + 14}" class="outcome">{escape(outcome)}</text>')
+                y += row
+            for limit, when, where in marks:
+                if where == number:
+                    body.append(f'<line class="limit" x1="{x(when):.1f}" y1="{first}" x2="{x(when):.1f}" y2="{y}"/>'
+                                f'<text x="{x(when) + 3:.1f}" y="{y + 12}" class="limit">{escape(limit)}</text>')
+                    y += 14
+        y += 20
+    legend = [("decision", _COLOURS["decision"]), ("ok", _COLOURS["ok"]), ("temporary, tool_error", _COLOURS["temporary"]),
+              ("tool_timeout", _COLOURS["tool_timeout"]), ("cancelled", _COLOURS["cancelled"]),
+              ("deadline or a fault", _FAILED), ("never started", "#868e96")]
+    left = 10
+    for name, colour in legend:
+        body.append(f'<rect x="{left}" y="{y}" width="12" height="12" fill="{colour}"/>'
+                    f'<text x="{left + 16}" y="{y + 11}" class="legend">{escape(name)}</text>')
+        left += 16 + 7.5 * len(name) + 18  # a monospace character is about 7.2 px at 12 px
+    height = y + 30
+    style = ("text{font-family:monospace;font-size:12px}.title{font-size:14px;font-weight:bold}.tick{font-size:10px;"
+             "text-anchor:middle}.axis{stroke:#495057}.separator{stroke:#dee2e6}.limit{stroke:#c92a2a;"
+             "stroke-dasharray:4 3;fill:#c92a2a}")
+    return (f'<?xml version="1.0" encoding="UTF-8"?>\n<svg xmlns="http://www.w3.org/2000/svg" width="{width}" '
+            f'height="{height}" viewBox="0 0 {width} {height}">\n<style>{style}</style>\n'
+            + "\n".join(body) + "\n</svg>\n")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import time
 import unittest
 import unittest.mock
 import warnings
+import xml.etree.ElementTree
 
 from agent_loop import (
     DATA, MODEL_COST, NOTE, SNAPSHOT, STOP_STATUSES, TOOLS, Fixtures, FunctionTools, Limits, Stop, TemporaryError,
@@ -3205,6 +3206,132 @@ class McpServerTests(RuntimeTestCase):
             await killer
             self.assertEqual((result["status"], errors(result)), ("tool_exception", ["tool_exception"]))
             self.assertEqual(result["trace"][-1]["error_type"], "MCPError")
+
+
+# PART 11: a run drawn on a time axis
+
+def bars(drawing, label=30):
+    """{lane label: (first column, last column, outcome)} of a text drawing's calls ('.' for one that never ran)."""
+    found = {}
+    for line in drawing.splitlines():
+        if line.startswith("  ") and line[:label].strip() and not line.startswith("  model"):
+            row, outcome = line[label:].rsplit(" ", 1)
+            marks = [index for index, char in enumerate(row) if char in "=."]
+            found[line[:label].strip()] = (marks[0], marks[-1], outcome)
+    return found
+
+
+class TimelineTests(RuntimeTestCase):
+    async def drawn(self, fixtures, **options):
+        timeline = agent_loop.Timeline()
+        result = await run_agent(timeline.model(options.pop("model", fake_model)), fixtures=timeline.tools(fixtures),
+                                 on_event=timeline.event, **options)
+        return timeline, result
+
+    async def test_the_recorder_changes_nothing_of_the_run(self):
+        plain = await run_agent(fixtures=Fixtures(failures={"north": ["temporary"]}), limits=ROOMY)
+        _, drawn = await self.drawn(Fixtures(failures={"north": ["temporary"]}), limits=ROOMY)
+        self.assertEqual({key: drawn[key] for key in ("status", "answer", "used", "history", "trace")},
+                         {key: plain[key] for key in ("status", "answer", "used", "history", "trace")})
+
+    async def test_lanes_come_in_request_order_and_a_parallel_batch_overlaps(self):
+        timeline, result = await self.drawn(Fixtures(delays={"north": 0.05, "south": 0.01}), limits=ROOMY)
+        drawing = timeline.text(result, width=100)
+        lanes = bars(drawing)
+        self.assertEqual(list(lanes), ["r1-north read_partition", "r1-south read_partition", "r2-plan compute_plan"])
+        north, south = lanes["r1-north read_partition"], lanes["r1-south read_partition"]
+        self.assertLess(south[0], north[1])  # side by side: south began before north ended
+        self.assertEqual([lane[2] for lane in lanes.values()], ["ok", "ok", "ok"])
+        self.assertTrue(all(len(line) <= 100 for line in drawing.splitlines()))
+
+    async def test_a_serial_batch_does_not_overlap(self):
+        registry = {**TOOLS, "read_partition": dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)}
+        timeline, result = await self.drawn(Fixtures(delays={"north": 0.05, "south": 0.05}), registry=registry, limits=ROOMY)
+        lanes = bars(timeline.text(result))
+        north, south = lanes["r1-north read_partition"], lanes["r1-south read_partition"]
+        self.assertGreaterEqual(south[0], north[1])  # one after the other
+        self.assertLess(north[0], south[0])
+
+    async def test_each_bar_ends_with_its_outcome_and_the_limits_that_acted_are_marked(self):
+        cases = [  # (scenario, outcomes of its calls in request order, the mark of the limit that acted)
+            ("deadline", ["tool_timeout", "tool_timeout"], "^ deadline"),
+            ("cancelled", ["cancelled", "cancelled"], "^ cancel"),
+            ("permission_denied", ["permission_denied", "batch_aborted"], None),
+            ("repeat_limit", ["temporary", "ok", "temporary"], None),
+        ]
+        for name, outcomes, mark in cases:
+            with self.subTest(name=name):
+                timeline = agent_loop.Timeline()
+                result, _ = await agent_loop.run_scenario(name, timeline=timeline)
+                drawing = timeline.text(result)
+                self.assertEqual([lane[2] for lane in bars(drawing).values()], outcomes)
+                self.assertEqual([line.strip() for line in drawing.splitlines() if line.strip().startswith("^")],
+                                 [mark] if mark else [])
+                self.assertTrue(drawing.splitlines()[-1].startswith(f"{name}: "))
+        timeline, result = await self.drawn(Fixtures(failures={"north": ["timeout"]}),
+                                            limits=dataclasses.replace(ROOMY, tool_seconds=0.1))
+        self.assertIn("^ tool_seconds", timeline.text(result))
+        self.assertEqual(result["status"], "completed")
+
+    async def test_the_svg_is_a_document_with_one_bar_per_call_and_its_limit_lines(self):
+        for name, limits in (("deadline", 1), ("permission_denied", 0), ("completed", 0)):
+            with self.subTest(name=name):
+                timeline = agent_loop.Timeline()
+                result, _ = await agent_loop.run_scenario(name, timeline=timeline)
+                root = xml.etree.ElementTree.fromstring(timeline.svg(result).split("\n", 1)[1])
+                svg = "{http://www.w3.org/2000/svg}"
+                self.assertEqual(root.tag, f"{svg}svg")
+                self.assertEqual(len([r for r in root.iter(f"{svg}rect") if r.get("class") == "call"]),
+                                 len(observations(result)))
+                self.assertEqual(len([r for r in root.iter(f"{svg}rect") if r.get("class") == "decision"]),
+                                 result["used"]["rounds"])
+                self.assertEqual(len([line for line in root.iter(f"{svg}line") if line.get("class") == "limit"]), limits)
+
+    async def test_every_scenario_draws(self):
+        for name in STATUSES:
+            with self.subTest(name=name):
+                timeline = agent_loop.Timeline()
+                result, _ = await agent_loop.run_scenario(name, timeline=timeline)
+                self.assertEqual(result["status"], name)
+                self.assertTrue(timeline.text(result).splitlines()[-1].startswith(f"{name}: "))
+                xml.etree.ElementTree.fromstring(timeline.svg(result).split("\n", 1)[1])
+
+    async def test_the_readmes_drawings_are_those_of_the_runs_they_name(self):
+        drawings = [block for block in re.findall(r"```\n(.*?)```", readme_section("See a run on a time axis"), re.S)
+                    if "round 1" in block]
+        self.assertEqual(len(drawings), 3)
+        retry = agent_loop.Timeline()
+        fixtures = Fixtures(failures={"north": ["temporary"]})
+        result = await run_agent(retry.model(fake_model), fixtures=retry.tools(fixtures), on_event=retry.event)
+        fresh = [retry.text(result)]
+        for name in ("deadline", "cancelled"):
+            timeline = agent_loop.Timeline()
+            scenario, _ = await agent_loop.run_scenario(name, timeline=timeline)
+            fresh.append(timeline.text(scenario))
+        for shown, drawn in zip(drawings, fresh):
+            with self.subTest(drawing=drawn.splitlines()[-1]):
+                self.assertEqual({lane: outcome for lane, (*_, outcome) in bars(shown).items()},
+                                 {lane: outcome for lane, (*_, outcome) in bars(drawn).items()})
+                self.assertEqual([line.strip() for line in shown.splitlines() if line.strip().startswith(("round", "^"))],
+                                 [line.strip() for line in drawn.splitlines() if line.strip().startswith(("round", "^"))])
+                self.assertEqual(shown.splitlines()[-1].split(":")[0], drawn.splitlines()[-1].split(":")[0])
+
+    def test_the_demo_draws_only_when_asked_and_prints_the_same_bytes_besides(self):
+        drawn = run_command("demo", "--timeline")
+        self.assertEqual((drawn.returncode, drawn.stderr), (0, ""))
+        normal, retry = DEMO_TRANSCRIPT.split("retry completed")
+        self.assertTrue(drawn.stdout.startswith(normal))
+        self.assertIn("retry completed" + retry, drawn.stdout)
+        self.assertEqual(drawn.stdout.count("completed: "), 2)  # one drawing after each run
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "demo.svg")
+            done = run_command("demo", "--svg", path)
+            self.assertEqual(done.stdout, DEMO_TRANSCRIPT)  # the drawing went to the file instead
+            with open(path, encoding="utf-8") as file:
+                xml.etree.ElementTree.fromstring(file.read().split("\n", 1)[1])
+        refused = run_command("scenarios", "--timeline")
+        self.assertEqual(refused.returncode, 2)
+        self.assertIn("give its NAME", refused.stderr)
 
 
 # Invariants under inputs nobody chose: a seeded property suite. A failing case prints its seed;
