@@ -178,6 +178,9 @@ _BOUNDS = (  # keyword, the value must not be ..., how the reason says it
 )
 
 
+_SIZES = {str: ("minLength", "maxLength", "characters"), list: ("minItems", "maxItems", "items")}
+
+
 def schema_error(schema, value, path=""):
     """Return why value does not match the JSON Schema, as "rows[1].stock: expected integer", or None if it does."""
     where = path or "arguments"
@@ -199,18 +202,15 @@ def schema_error(schema, value, path=""):
         for keyword, breaks, says in _BOUNDS:
             if keyword in schema and breaks(value, schema[keyword]):
                 return f"{where}: {says} {schema[keyword]}"
-    if type(value) is str:
-        if len(value) < schema.get("minLength", 0):
-            return f"{where}: at least {schema['minLength']} characters"
-        if "maxLength" in schema and len(value) > schema["maxLength"]:
-            return f"{where}: at most {schema['maxLength']} characters"
-        if "pattern" in schema and not re.search(schema["pattern"], value, re.ASCII):
-            return f"{where}: does not match the pattern"
+    if type(value) in _SIZES:
+        least, most, unit = _SIZES[type(value)]
+        if len(value) < schema.get(least, 0):
+            return f"{where}: at least {schema[least]} {unit}"
+        if most in schema and len(value) > schema[most]:
+            return f"{where}: at most {schema[most]} {unit}"
+    if type(value) is str and "pattern" in schema and not re.search(_ecma(schema["pattern"]), value, re.ASCII):
+        return f"{where}: does not match the pattern"
     if type(value) is list:
-        if len(value) < schema.get("minItems", 0):
-            return f"{where}: at least {schema['minItems']} items"
-        if "maxItems" in schema and len(value) > schema["maxItems"]:
-            return f"{where}: at most {schema['maxItems']} items"
         for index, item in enumerate(value):
             reason = "items" in schema and schema_error(schema["items"], item, f"{path}[{index}]")
             if reason:
@@ -244,10 +244,29 @@ def _type_names(value):
 
 def _regex(value):
     try:
-        re.compile(value, re.ASCII)
+        re.compile(_ecma(value), re.ASCII)
     except Exception:  # re.error, and the OverflowError or RecursionError of an extreme pattern
         return False
     return True
+
+
+def _ecma(pattern):
+    """pattern as Python's re must read it to mean what JSON Schema's ECMA-262 regex means: `$` only at the very
+    end (Python's also matches before a final newline), `.` no line break (Python's matches a carriage return)."""
+    if type(pattern) is not str:
+        return pattern  # for re to refuse
+    out, escaped, in_class = [], False, False
+    for char in pattern:
+        if escaped or char == "\\":
+            escaped = not escaped and char == "\\"
+        elif in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+        elif char in "$.":
+            char = r"\Z" if char == "$" else "[^\n\r\u2028\u2029]"
+        out.append(char)
+    return "".join(out)
 
 
 # What each supported keyword's value must be, for the check to honour it as JSON Schema means it.
@@ -282,7 +301,7 @@ def _schema_problem(schema, at="parameters"):
     if type(schema) is not dict:
         return f"{at}: must be a schema"
     for keyword, value in schema.items():
-        if keyword in SCHEMA_ANNOTATIONS:
+        if keyword in SCHEMA_ANNOTATIONS or keyword.startswith("x-"):  # "x-...": a vendor's note, never a rule
             continue
         if keyword not in _SCHEMA_RULES:
             return f"{at}: unsupported keyword {keyword}"
@@ -741,9 +760,10 @@ def _checked_registry(registry):
             if spec.validate is None and name not in TOOLS:
                 raise ValueError(f"{name}: declare its parameters, a validate function, or both")
             continue
-        if type(spec.parameters) is not dict or not _is_data(spec.parameters) or spec.parameters.get("type") != "object":
+        schema = spec.parameters
+        if type(schema) is not dict or not _is_data(schema) or schema.get("type") != "object":
             raise ValueError(f"{name}: parameters must be a JSON Schema of type object, in plain JSON data")
-        problem = _schema_problem(spec.parameters)
+        problem = _schema_problem(schema)
         if problem:
             raise ValueError(f"{name}: {problem}")
     # Schemas are copied: a schema dict edited while the run goes on cannot change what was checked.
@@ -1035,7 +1055,8 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
                 raise Stop("call_limit", reason=f"{len(batch)} calls asked, {limits.calls - used['calls']} left")
             cost = sum(registry[item["name"]].cost for item in batch)
             if used["credits"] + cost > limits.credits:
-                raise Stop("credit_limit", reason=f"the batch costs {cost} credits, {limits.credits - used['credits']} left")
+                left = limits.credits - used["credits"]
+                raise Stop("credit_limit", reason=f"the batch costs {cost} credits, {left} left")
             time_left()  # your validate functions ran on the loop: they may have used up the time
             used_ids |= ids
             attempts.update(signatures)
@@ -1058,7 +1079,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
     except Stop as stop:
         if str(stop) not in ("cancelled", "deadline"):
             try:
-                time_left()  # a stop decided only after a cancel or the deadline (your check ran late): those came first
+                time_left()  # a stop decided only after a cancel or the deadline (a check ran late): they came first
             except Stop as late:
                 stop = late
         return await finish(str(stop), why=stop.why)
@@ -1078,17 +1099,15 @@ def _checked_tools(fixtures, registry, accept):
     """The tools of the run (the inventory's Fixtures by default); ValueError for a mix that cannot work."""
     if fixtures is not None and not callable(getattr(fixtures, "invoke", None)):
         raise ValueError("fixtures must have an async invoke(call) method")
-    if registry is None and isinstance(fixtures, FunctionTools):
-        raise ValueError("registry: give the registry of your FunctionTools; the default is the inventory's")
     own = [name for name in (registry or ()) if name not in TOOLS]
     if own and fixtures is None:
         raise ValueError(f"fixtures: the default Fixtures serve only the inventory's tools, not {own[0]}")
     if own and accept is accepted:
         raise ValueError("accept: the default final check knows only the inventory's plan; give your task's own")
-    if isinstance(fixtures, FunctionTools):
-        missing = [name for name in (TOOLS if registry is None else registry) if name not in fixtures.functions]
-        if missing:
-            raise ValueError(f"{missing[0]}: FunctionTools has no function for it")
+    # A tools class that knows which tools it can run (FunctionTools does) says so before the model is asked.
+    check = getattr(type(fixtures), "check_registry", None)
+    if check is not None:
+        check(fixtures, registry)
     return Fixtures() if fixtures is None else fixtures
 
 
@@ -1133,7 +1152,8 @@ def main(argv=None):
     atlas.add_argument("--json", action="store_true", help="print the table as a JSON list")
     for command in (shown, atlas):
         command.add_argument("--timeline", action="store_true", help="draw the run on a time axis after it")
-        command.add_argument("--svg", metavar="FILE", help="write the drawing to FILE as an SVG document")
+        command.add_argument("--svg", metavar="FILE", type=argparse.FileType("w", encoding="utf-8"),
+                             help="write the drawing to FILE as an SVG document")
     timing = commands.add_parser("bench", help="measure parallel batches, overhead, time limits and growth")
     timing.add_argument("--quick", action="store_true", help="fewer repeats: a smoke run of a few seconds")
     timing.add_argument("--json", action="store_true", help="print the figures as one JSON object")
@@ -1228,6 +1248,14 @@ class FunctionTools:
         # Delivery: history gets an object nobody else holds (see result_ownership.py). What is not plain
         # data goes on as it is, for the runtime to refuse.
         return _copy(result) if _is_data(result) else result
+
+    def check_registry(self, registry):
+        """Raise ValueError, before the model is asked, for a registry these functions cannot serve (None: none)."""
+        if registry is None:
+            raise ValueError("registry: give the registry of your FunctionTools; the default is the inventory's")
+        missing = [name for name in registry if name not in self.functions]
+        if missing:
+            raise ValueError(f"{missing[0]}: FunctionTools has no function for it")
 
     def _start(self, work):
         _start_thread(work)
@@ -1335,6 +1363,7 @@ async def run_scenario(name, on_event=None, timeline=None):
     limits = replace(Limits(), **how.get("limits", {}))
     model, tools = how.get("model", fake_model), fixtures
     if timeline is not None:
+        timeline.limits = timeline.limits or limits
         model, tools, on_event = timeline.model(model), timeline.tools(fixtures), timeline.watching(on_event)
     result = await run_agent(model, limits=limits, fixtures=tools, cancel=cancel, registry=registry,
                              on_event=on_event)
@@ -1394,6 +1423,10 @@ async def _hang(n):
 _BENCH_FUNCTIONS = {"tick": _tick, "wait": _wait, "hang": _hang}
 
 
+def _accepts_nothing(answer, history):
+    return False  # the bench's runs are about time, not answers
+
+
 def _bench_registry(parallel=True):
     return {name: ToolSpec(0, True, parallel, validate=lambda args: True) for name in ("tick", "wait", "hang")}
 
@@ -1416,7 +1449,7 @@ async def _timed(model, limits, parallel=True):
     tools = FunctionTools(_BENCH_FUNCTIONS)
     start = time.perf_counter()
     registry = _bench_registry(parallel)
-    result = await run_agent(model, limits=limits, fixtures=tools, registry=registry, accept=lambda a, h: False)
+    result = await run_agent(model, limits=limits, fixtures=tools, registry=registry, accept=_accepts_nothing)
     return time.perf_counter() - start, result
 
 
@@ -1460,8 +1493,9 @@ async def _limit_overshoot(runs):
                 finally:
                     stopped.append(time.perf_counter() - start)
 
-        await run_agent(_batches("hang", 1), limits=_roomy(1, 1, tool_seconds=0.05), fixtures=Recorded(_BENCH_FUNCTIONS),
-                        registry=_bench_registry(), accept=lambda answer, history: False)
+        hanging = Recorded(_BENCH_FUNCTIONS)
+        await run_agent(_batches("hang", 1), limits=_roomy(1, 1, tool_seconds=0.05), fixtures=hanging,
+                        registry=_bench_registry(), accept=_accepts_nothing)
         tool.append(stopped[0] - 0.05)
         wall, _ = await _timed(_batches("hang", 1), _roomy(1, 1, total_seconds=0.1))
         total.append(wall - 0.1)
@@ -1761,11 +1795,13 @@ def from_messages(message):
     for block in _items(message, "content"):
         if _text(block, "type") == "tool_use":
             # input is already an object; anything else stays as it came, for preflight to refuse.
-            calls.append({"call_id": _field(block, "id"), "name": _field(block, "name"), "arguments": _field(block, "input")})
+            calls.append({"call_id": _field(block, "id"), "name": _field(block, "name"),
+                          "arguments": _field(block, "input")})
         elif _text(block, "type") == "text":
             texts.append(_text(block, "text") or "")
     stop = _text(message, "stop_reason")  # only a reply that stopped by itself may answer
-    refused = None if stop in ("end_turn", "tool_use", "stop_sequence") else _MESSAGES_CUT_OFF.get(stop, stop or "malformed")
+    ended = stop in ("end_turn", "tool_use", "stop_sequence")
+    refused = None if ended else _MESSAGES_CUT_OFF.get(stop, stop or "malformed")
     return _decide(calls, "".join(texts), refused)
 
 
@@ -1823,18 +1859,24 @@ def mcp_registry(listed, read_only=(), parallel_safe=(), cost=1):
     listed = _dumped(listed)
     tools = listed if type(listed) is list else _items(listed, "tools")
     offered = {_field(tool, "name"): tool for tool in map(_dumped, tools) if type(_field(tool, "name")) is str}
+    more = " on this page of its listing (pass the tools of every page)" if _either(
+        listed, "nextCursor", "next_cursor") else ""
     for name in (*read_only, *parallel_safe):
         if name not in offered:
-            raise ValueError(f"{name}: the server does not list it")
+            raise ValueError(f"{name}: the server does not list it{more}")
         if name not in read_only:
             raise ValueError(f"{name}: only a tool named in read_only can be parallel_safe")
     registry = {}
     for name in read_only:
         tool = offered[name]
         description = _field(tool, "description")
-        registry[name] = ToolSpec(cost, True, name in parallel_safe, description=description if type(description) is str else "",
+        registry[name] = ToolSpec(cost, True, name in parallel_safe,
+                                  description=description if type(description) is str else "",
                                   parameters=_either(tool, "inputSchema", "input_schema"))
     return _checked_registry(registry)  # a schema the strict check cannot honour is a ValueError naming the tool
+
+
+MAX_MESSAGE = 1_000  # characters of a server's isError text kept for the model
 
 
 class McpTools:
@@ -1851,15 +1893,16 @@ class McpTools:
         texts = [_text(block, "text") for block in blocks if _text(block, "type") == "text"]
         if _either(result, "isError", "is_error") is True:
             # The server's message to the model, kept as data: MCP means it for the model to read and correct.
-            raise ToolError("\n".join(text for text in texts if text))
+            raise ToolError("\n".join(text for text in texts if text)[:MAX_MESSAGE])
         structured = _either(result, "structuredContent", "structured_content")
         if structured is not None:
             return structured
         if len(blocks) == 1 and texts and texts[0] is not None:
             try:  # one text block holding JSON: how a server returns a dict without an output schema
-                return json.loads(texts[0])
+                value = json.loads(texts[0])
             except (ValueError, RecursionError):
                 return texts[0]
+            return value if _is_data(value) else texts[0]  # "NaN", an order id of 24 digits: text after all
         return blocks
 
 
@@ -1873,23 +1916,24 @@ _FAILED = "#c92a2a"  # any other way a call ended: a fault, a refusal, a call th
 
 class Timeline:
     """A recorder that draws a run: when each decision was asked and answered, when each call started and
-    ended, with its outcome, and the limits that acted, on the event loop's clock."""
+    ended, with its outcome, and the limits that acted, on the event loop's clock. One Timeline per run."""
 
-    def __init__(self):
-        self.decisions = []  # (asked, answered) of each decision, in order: one per round
-        self.calls = {}      # call_id -> (started, ended)
-        self.events = []     # (time, trace event)
+    def __init__(self, limits=None):
+        self.limits = limits  # the run's Limits, if known: a timeout shorter than its limit was the tool's own
+        self.decisions = []   # (asked, answered) of each decision, in order: one per round
+        self.calls = {}       # call_id -> (started, ended)
+        self.events = []      # (time, trace event)
 
     @staticmethod
     def _now():
         return asyncio.get_running_loop().time()
 
     def model(self, model):
-        """The model, wrapped so that each decision's asking and answering are recorded."""
+        """The model, wrapped so that each decision's asking and answering are recorded; nothing else changes."""
         async def timed(history):
             asked = self._now()
             try:
-                return await _called(model, history)
+                return await model(history)
             finally:
                 self.decisions.append((asked, self._now()))
 
@@ -1914,10 +1958,13 @@ class Timeline:
 
     def lanes(self, result):
         """What the drawing shows: per round, a lane for the decision and one per call (name, tool, start, end,
-        outcome), the limits that acted (limit, time, round), and the run's status."""
-        rounds, marks = {}, []
+        outcome); the limits that acted (limit, time, round); the run's status; ValueError if this timeline did
+        not record this run, and only it."""
+        if self.decisions and len(self.decisions) != result["used"]["rounds"]:
+            raise ValueError("this Timeline recorded another run too: use one Timeline per run, its model wrapped once")
         stop = result["trace"][-1]
         kinds = {event["round"]: event["kind"] for _, event in self.events if event["event"] == "decision"}
+        rounds = {}
         for number, (asked, answered) in enumerate(self.decisions, 1):
             kind = kinds.get(number)
             if kind not in ("calls", "final"):  # no decision came, or none that could be acted on
@@ -1926,25 +1973,37 @@ class Timeline:
         for record in result["history"]:
             for obs in record["observations"]:
                 started, ended = self.calls.get(obs["call_id"], (None, None))
+                if started is None and obs["ok"]:
+                    raise ValueError("a call that ran was not recorded: give run_agent fixtures=timeline.tools(...)")
                 outcome = "ok" if obs["ok"] else obs["error"]
                 rounds.setdefault(record["round"], []).append((obs["call_id"], obs["name"], started, ended, outcome))
-        last = max(rounds, default=None)
-        for number, lanes in rounds.items():  # a call cut off by time: its own limit, or the run's deadline
-            for _, tool, _, ended, outcome in lanes:
+        return rounds, self._marks(rounds, stop["status"]), stop["status"]
+
+    def _marks(self, rounds, status):
+        """Where the limits acted: a call or decision cut off by its own time limit or by the run's deadline, and
+        the cancel; one mark per limit and round, where it first acted."""
+        ends = [lane[3] for lanes in rounds.values() for lane in lanes if lane[3] is not None]
+        stopped = self.events[-1][0] if self.events else max(ends, default=None)
+        span = (max(ends) - min(lane[2] for lanes in rounds.values() for lane in lanes if lane[2] is not None)
+                if ends else 0.0)
+        earliest = {}
+        for number, lanes in rounds.items():
+            for _, tool, began, ended, outcome in lanes:
+                limit = None
                 if outcome in ("tool_timeout", "model_timeout") and ended is not None:
-                    by_deadline = stop["status"] == "deadline" and number == last
-                    limit = "deadline" if by_deadline else "model_seconds" if tool == "decision" else "tool_seconds"
-                    marks.append((limit, ended, number))
-        limit = {"deadline": "deadline", "cancelled": "cancel"}.get(stop["status"])
-        if limit and last is not None and not any(mark[0] == limit for mark in marks):
-            cut = [ended for *_, ended, outcome in rounds[last] if outcome == stop["status"] and ended is not None]
-            when = min(cut) if cut else self.events[-1][0] if self.events else None
-            if when is not None:
-                marks.append((limit, when, last))
-        earliest = {}  # one mark per limit and round: where it first acted
-        for limit, when, number in marks:
-            earliest[limit, number] = min(when, earliest.get((limit, number), when))
-        return rounds, [(limit, when, number) for (limit, number), when in earliest.items()], stop["status"]
+                    own = getattr(self.limits, "model_seconds" if tool == "decision" else "tool_seconds", None)
+                    if status == "deadline" and stopped - ended <= max(0.002, span / 50):
+                        limit = "deadline"  # cut with the run, at its end
+                    elif own is None or ended - began >= own * 0.95:  # not sooner than its limit: the limit acted
+                        limit = "model_seconds" if tool == "decision" else "tool_seconds"
+                elif outcome == "cancelled" and ended is not None:
+                    limit = "cancel"
+                if limit:
+                    earliest[limit, number] = min(ended, earliest.get((limit, number), ended))
+        limit = {"deadline": "deadline", "cancelled": "cancel"}.get(status)
+        if limit and rounds and stopped is not None and not any(mark == limit for mark, _ in earliest):
+            earliest[limit, max(rounds)] = stopped  # it acted between calls: where the run stopped
+        return [(limit, when, number) for (limit, number), when in earliest.items()]
 
     def _axis(self, rounds, marks):
         """(start, span) in seconds of everything recorded."""
@@ -1958,14 +2017,20 @@ class Timeline:
         """The run as a terminal drawing: a lane per decision and per call with a bar from its start to its end and
         its outcome after it; parallel calls overlap, serial ones follow each other; the limits that acted are
         marked where they acted, under a scale in milliseconds."""
+        if type(width) is not int or width < 60:
+            raise ValueError("width must be an int of at least 60")
         rounds, marks, status = self.lanes(result)
+        if not rounds:
+            return f"{status}: no decision was asked\n"
         start, span = self._axis(rounds, marks)
-        label, columns = 30, max(width - 30 - 16, 20)
+        digits = _ms_digits(span)
+        label = 30
+        tail = 1 + max(len(lane[4]) for lanes in rounds.values() for lane in lanes)
+        columns = width - label - tail
 
         def at(t):
             return min(int((t - start) / span * columns), columns - 1)
 
-        digits = _ms_digits(span)
         scale = [" "] * columns
         for text, where in (("0 ms", 0), (f"{span * 500:.{digits}f} ms", columns // 2),
                             (f"{span * 1000:.{digits}f} ms", None)):
@@ -1974,16 +2039,16 @@ class Timeline:
         lines = [" " * label + "".join(scale), " " * label + "|" + "-" * (columns - 2) + "|"]
         for number in sorted(rounds):
             lines.append(f"round {number}")
+            admitted = rounds[number][0][3] if rounds[number][0][1] == "decision" else None
             for name, tool, began, ended, outcome in rounds[number]:
                 row = [" "] * columns
                 if began is None:  # it never started: refused, aborted, or overtaken by a stop
-                    admitted = rounds[number][0][3] if rounds[number][0][1] == "decision" else None
                     row[at(admitted) if admitted is not None else 0] = "."
                 else:
                     first, last = at(began), at(ended)
                     row[first:last + 1] = "=" * (last - first + 1)
-                lane = "model" if tool == "decision" else f"{name} {tool}"
-                lines.append(f"  {lane[:label - 3]:<{label - 2}}{''.join(row)} {outcome}")
+                lane = "model" if tool == "decision" else _printable(f"{name} {tool}", label - 3)
+                lines.append(f"  {lane:<{label - 2}}{''.join(row)} {outcome}")
             for limit, when, where in sorted(marks, key=lambda mark: mark[1]):
                 if where == number:
                     lines.append(" " * (label + at(when)) + f"^ {limit}")
@@ -1997,11 +2062,24 @@ class Timeline:
         return _svg_document([(title, self, result)])
 
 
+def _printable(text, most):
+    """text for a drawing: a character that a terminal or XML would act on (a control character) shown as ?,
+    and at most `most` characters."""
+    text = "".join(char if char.isprintable() else "?" for char in text)
+    return text if len(text) <= most else text[:most - 3] + "..."
+
+
 class _TimedTools:
     """A tools object that records when each call starts and ends, and passes every call on as it is."""
 
     def __init__(self, timeline, tools):
         self.timeline, self.inner = timeline, tools
+
+    def check_registry(self, registry):
+        """The check of the tools it wraps, if they have one (FunctionTools does)."""
+        check = getattr(type(self.inner), "check_registry", None)
+        if check is not None:
+            check(self.inner, registry)
 
     async def invoke(self, call):
         started = self.timeline._now()
@@ -2020,7 +2098,7 @@ async def drawn_demo(text=True, svg=None):
     """The demo, each run printed as the demo prints it, then drawn: on the terminal, or into an SVG file."""
     drawings = []
     for title, make_fixtures in DEMO_RUNS:
-        fixtures, timeline = make_fixtures(), Timeline()
+        fixtures, timeline = make_fixtures(), Timeline(Limits())
         result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(fixtures), on_event=timeline.event)
         show_run(title, result, fixtures)
         drawings.append((title, timeline, result))
@@ -2032,15 +2110,15 @@ def _draw(runs, text, svg):
     """Print each (title, timeline, result) as text, and write them all to the file svg as one SVG document."""
     for title, timeline, result in runs if text else ():
         print(timeline.text(result), end="")
-    if svg:
-        with open(svg, "w", encoding="utf-8") as file:
-            file.write(_svg_document(runs))
+    if svg:  # a file argparse opened, so that a path it cannot write is refused before the run
+        with svg:
+            svg.write(_svg_document(runs))
 
 
 def _svg_document(runs):
     """One SVG document that draws each (title, timeline, result) in a band of its own, one under the other."""
     from xml.sax.saxutils import escape
-    width, label, tail, row = 960, 250, 120, 20
+    width, label, tail, row = 980, 250, 170, 20
     bars = width - label - tail
     body, y = [], 10
     for title, timeline, result in runs:
@@ -2050,7 +2128,7 @@ def _svg_document(runs):
         def x(t):
             return label + (t - start) / span * bars
 
-        body.append(f'<text x="10" y="{y + 15}" class="title">{escape(title)}: {escape(status)}</text>')
+        body.append(f'<text x="10" y="{y + 15}" class="title">{escape(_printable(title, 60))}: {escape(status)}</text>')
         y += 30
         for fraction in (0, 0.25, 0.5, 0.75, 1):
             tick = label + fraction * bars
@@ -2059,20 +2137,24 @@ def _svg_document(runs):
                         f'{span * fraction * 1000:.{_ms_digits(span)}f} ms</text>')
         body.append(f'<line x1="{label}" y1="{y}" x2="{label + bars}" y2="{y}" class="axis"/>')
         y += 12
+        if not rounds:
+            body.append(f'<text x="20" y="{y + 14}" class="lane">no decision was asked</text>')
+            y += row
         for number in sorted(rounds):
             body.append(f'<text x="10" y="{y + 14}" class="round">round {number}</text>'
                         f'<line x1="10" y1="{y + 2}" x2="{width - 10}" y2="{y + 2}" class="separator"/>')
             y += row
             first = y
+            admitted = rounds[number][0][3] if rounds[number][0][1] == "decision" else None
             for name, tool, began, ended, outcome in rounds[number]:
                 kind = "decision" if tool == "decision" else "call"
                 colour = _COLOURS["decision" if kind == "decision" else outcome] if (
                     kind == "decision" or outcome in _COLOURS) else _FAILED
-                if began is None:
-                    left, length, colour = label, 2.0, "#868e96"
+                if began is None:  # it never started: a grey tick where its batch was admitted
+                    left, length, colour = x(admitted) if admitted is not None else label, 2.0, "#868e96"
                 else:
                     left, length = x(began), max(x(ended) - x(began), 2.0)
-                lane = "model" if kind == "decision" else f"{name} {tool}"
+                lane = "model" if kind == "decision" else _printable(f"{name} {tool}", 30)
                 body.append(f'<text x="20" y="{y + 14}" class="lane">{escape(lane)}</text>'
                             f'<rect class="{kind}" x="{left:.1f}" y="{y + 4}" width="{length:.1f}" height="{row - 8}" '
                             f'fill="{colour}"><title>{escape(lane)}: {escape(outcome)}</title></rect>'
@@ -2084,9 +2166,9 @@ def _svg_document(runs):
                                 f'<text x="{x(when) + 3:.1f}" y="{y + 12}" class="limit">{escape(limit)}</text>')
                     y += 14
         y += 20
-    legend = [("decision", _COLOURS["decision"]), ("ok", _COLOURS["ok"]), ("temporary, tool_error", _COLOURS["temporary"]),
-              ("tool_timeout", _COLOURS["tool_timeout"]), ("cancelled", _COLOURS["cancelled"]),
-              ("deadline or a fault", _FAILED), ("never started", "#868e96")]
+    legend = [("decision", _COLOURS["decision"]), ("ok", _COLOURS["ok"]),
+              ("temporary, tool_error", _COLOURS["temporary"]), ("tool_timeout", _COLOURS["tool_timeout"]),
+              ("cancelled", _COLOURS["cancelled"]), ("deadline or a fault", _FAILED), ("never started", "#868e96")]
     left = 10
     for name, colour in legend:
         body.append(f'<rect x="{left}" y="{y}" width="12" height="12" fill="{colour}"/>'

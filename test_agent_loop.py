@@ -11,6 +11,7 @@ import functools
 import gc
 import http.server
 import io
+import logging
 import json
 import math
 import os
@@ -39,6 +40,10 @@ import result_ownership
 import verify_ownership
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+# IsolatedAsyncioTestCase runs its loop in debug mode, which logs every step that takes longer than 0.1 s. On a
+# busy machine that is a report about the machine, not about the runtime: keep a green run's output clean.
+logging.getLogger("asyncio").addFilter(lambda record: not record.getMessage().startswith("Executing "))
 
 # Time limits far above what any tool or model here needs: on a busy machine only the
 # limits a test is about may fire.
@@ -110,6 +115,13 @@ class RuntimeTestCase(unittest.IsolatedAsyncioTestCase):
 
     def assertNoPrivateText(self, result):
         self.assertNotIn("private", repr(result))
+
+    async def assertRefusedBeforeTheModelIsAsked(self, message, **options):
+        """run_agent(**options) raises ValueError(message), and the model was never asked."""
+        asked = []
+        with self.assertRaises(ValueError) as raised:
+            await run_agent(scripted(asked.append), **{"limits": ROOMY, **options})
+        self.assertEqual((str(raised.exception), asked), (message, []))
 
     def allowBlockingSteps(self):
         """For a test that blocks the loop on purpose: asyncio's debug mode would log every slow step."""
@@ -359,6 +371,9 @@ class StrictSchemaTests(RuntimeTestCase):
             ({"minimum": 0}, "text", None),  # a bound applies to numbers only, as JSON Schema says
             ({"minLength": 2}, "é", "arguments: at least 2 characters"), ({"maxLength": 2}, "abc", "arguments: at most 2 characters"),
             ({"pattern": "^[A-Z]{3}$"}, "EUR", None), ({"pattern": "^[A-Z]{3}$"}, "EURO", "arguments: does not match the pattern"),
+            # As JSON Schema's ECMA-262 reads them: $ only at the very end, . no line break.
+            ({"pattern": "^[a-z_]+$"}, "report\n", "arguments: does not match the pattern"),
+            ({"pattern": "^a.b$"}, "a\rb", "arguments: does not match the pattern"), ({"pattern": "^a[.]b$"}, "a.b", None),
             ({"minItems": 1}, [], "arguments: at least 1 items"), ({"maxItems": 1}, [1, 2], "arguments: at most 1 items"),
             (schema(required=["a"]), {}, "arguments: missing a"),
             (schema(properties={"a": {"type": "string"}}), {"a": 1}, "a: expected string"),
@@ -1608,15 +1623,19 @@ class BenchTests(unittest.TestCase):
         self.assertEqual(sorted(figures["parallel_efficiency"]), ["1", "2", "4"])
         self.assertEqual(sorted(figures["overhead"]), ["call_us", "round_us"])
         self.assertEqual(sorted(figures["limit_overshoot"]), ["tool_ms", "total_ms"])
-        spreads = [spread for modes in figures["parallel_efficiency"].values() for spread in modes.values()]
-        spreads += list(figures["overhead"].values()) + list(figures["limit_overshoot"].values())
-        spreads += [spread for row in figures["growth"].values() for spread in row.values()]
-        self.assertEqual(len(spreads), 6 + 2 + 2 + 2 * len(figures["growth"]))
-        for spread in spreads:
-            self.assertEqual(sorted(spread), ["max", "median", "min"])
-            self.assertTrue(all(math.isfinite(value) and value > 0 for value in spread.values()), spread)
-            self.assertLessEqual(spread["min"], spread["median"])
-            self.assertLessEqual(spread["median"], spread["max"])
+        durations = [spread for modes in figures["parallel_efficiency"].values() for spread in modes.values()]
+        durations += [figures["overhead"]["round_us"]]
+        durations += [spread for row in figures["growth"].values() for spread in row.values()]
+        # Differences of two times (a further call, the time past a limit) may come out below zero on a busy machine.
+        differences = [figures["overhead"]["call_us"], *figures["limit_overshoot"].values()]
+        self.assertEqual(len(durations + differences), 6 + 2 + 2 + 2 * len(figures["growth"]))
+        for positive, spreads in ((True, durations), (False, differences)):
+            for spread in spreads:
+                self.assertEqual(sorted(spread), ["max", "median", "min"])
+                self.assertTrue(all(math.isfinite(value) for value in spread.values()), spread)
+                self.assertTrue(spread["min"] > 0 or not positive, spread)
+                self.assertLessEqual(spread["min"], spread["median"])
+                self.assertLessEqual(spread["median"], spread["max"])
         # Physical floors, not speeds: k waits of 50 ms one after another take at least k x 50 ms; side by side, 50 ms.
         for k, modes in figures["parallel_efficiency"].items():
             with self.subTest(k=k):
@@ -2546,6 +2565,8 @@ class SdkLaneTests(RuntimeTestCase):
                     result = await run_agent(model, limits=Limits(model_seconds=20, total_seconds=60))
                     self.assertEqual((result["status"], result["used"]["rounds"]), ("model_exception", 1))
                     self.assertEqual(fake.statuses(), [status] * requests)
+                    self.assertEqual(result["trace"][-1]["error_type"],
+                                     "BadRequestError" if status == 400 else "InternalServerError")
 
     async def test_a_reply_slower_than_model_seconds_ends_model_timeout(self):
         for api in MAKE_MODEL:
@@ -2742,10 +2763,7 @@ class WhyTests(RuntimeTestCase):
         ]
         for options, message in cases:
             with self.subTest(message=message):
-                asked = []
-                with self.assertRaises(ValueError) as raised:
-                    await run_agent(scripted(asked.append), limits=ROOMY, **options)
-                self.assertEqual((str(raised.exception), asked), (message, []))
+                await self.assertRefusedBeforeTheModelIsAsked(message, **options)
 
     async def test_a_decision_the_model_changes_while_its_watcher_waits_leaves_a_true_and_plain_trace(self):
         kind, seen = ["calls"], []
@@ -2801,10 +2819,7 @@ class WhyTests(RuntimeTestCase):
         ]
         for options, message in cases:
             with self.subTest(message=message):
-                asked = []
-                with self.assertRaises(ValueError) as raised:
-                    await run_agent(scripted(asked.append), limits=ROOMY, **options)
-                self.assertEqual((str(raised.exception), asked), (message, []))
+                await self.assertRefusedBeforeTheModelIsAsked(message, **options)
 
     async def test_an_exception_class_name_is_kept_short(self):
         Long = type("E" * 100_000, (Exception,), {})
@@ -3069,6 +3084,32 @@ class McpTests(RuntimeTestCase):
                 self.assertEqual(session.cancelled, ["read_stock"] if error == "tool_timeout" else [])
                 self.assertNoPrivateText(result)
 
+    async def test_text_that_is_not_plain_json_stays_text_and_an_is_error_text_is_bounded(self):
+        for text in ("123456789012345678901234", "NaN", "[" * 40 + "]" * 40):
+            async def answer(sku, text=text):
+                return text_result(text)
+
+            with self.subTest(text=text[:20]):
+                tools = agent_loop.McpTools(FakeSession({"read_stock": answer}))
+                self.assertEqual(await tools.invoke(call("a", "read_stock", sku="A-1")), text)
+
+        async def long_error(sku):
+            return text_result("x" * 100_000, error=True)
+
+        with self.assertRaises(agent_loop.ToolError) as raised:
+            await agent_loop.McpTools(FakeSession({"read_stock": long_error})).invoke(call("a", "read_stock", sku="A-1"))
+        self.assertEqual(len(raised.exception.message), 1_000)
+
+    def test_a_listing_with_more_pages_says_so_and_vendor_keywords_are_notes(self):
+        listed = {"tools": [protocol_tool("read_stock", SKU)], "nextCursor": "page-2"}
+        with self.assertRaises(ValueError) as raised:
+            agent_loop.mcp_registry(listed, read_only=("lookup",))
+        self.assertEqual(str(raised.exception),
+                         "lookup: the server does not list it on this page of its listing (pass the tools of every page)")
+        tool = protocol_tool("read_stock", {"sku": {"type": "string", "x-mcp-header": "X-Sku"}})
+        registry = agent_loop.mcp_registry({"tools": [tool]}, read_only=("read_stock",))
+        self.assertEqual(list(registry), ["read_stock"])
+
     async def test_arguments_are_checked_against_the_servers_schema_before_any_call(self):
         session = FakeSession({"read_stock": stock})
         registry = agent_loop.mcp_registry(LISTED, read_only=("read_stock",))
@@ -3295,6 +3336,75 @@ class TimelineTests(RuntimeTestCase):
                 self.assertEqual(result["status"], name)
                 self.assertTrue(timeline.text(result).splitlines()[-1].startswith(f"{name}: "))
                 xml.etree.ElementTree.fromstring(timeline.svg(result).split("\n", 1)[1])
+
+    async def test_what_a_hostile_review_of_the_recorder_found(self):
+        def plain_model(history):  # not async: a model_exception, drawn or not
+            return final(PLAN)
+
+        for wrap in (False, True):
+            timeline = agent_loop.Timeline()
+            model = timeline.model(plain_model) if wrap else plain_model
+            self.assertEqual((await run_agent(model, limits=ROOMY))["status"], "model_exception")
+        timeline = agent_loop.Timeline()
+        tools = timeline.tools(FunctionTools({"get_rate": RateDesk().get_rate}))
+        await self.assertRefusedBeforeTheModelIsAsked("convert: FunctionTools has no function for it", fixtures=tools,
+                                                      registry=CONVERSION_TOOLS, accept=conversion_accepted)
+        # A Timeline is for one run: another run, or a model wrapped twice, is refused, not drawn wrong.
+        timeline = agent_loop.Timeline()
+        for _ in range(2):
+            result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures()),
+                                     on_event=timeline.event, limits=ROOMY)
+        with self.assertRaises(ValueError):
+            timeline.text(result)
+        timeline = agent_loop.Timeline()
+        result = await run_agent(timeline.model(fake_model), on_event=timeline.event, limits=ROOMY)
+        with self.assertRaises(ValueError):  # its calls ran, but were not recorded
+            timeline.text(result)
+        timeline, cancel = agent_loop.Timeline(), asyncio.Event()
+        cancel.set()
+        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures()), cancel=cancel,
+                                 on_event=timeline.event, limits=ROOMY)
+        self.assertEqual(timeline.text(result), "cancelled: no decision was asked\n")
+        for width in (10, 100.0):
+            with self.assertRaises(ValueError):
+                timeline.text(result, width=width)
+
+    async def test_a_call_id_with_control_characters_draws_safely(self):
+        timeline = agent_loop.Timeline()
+        model = scripted(calls(call("a\x01\n\x1b[31mred", partition="north")))
+        result = await run_agent(timeline.model(model), fixtures=timeline.tools(Fixtures()), on_event=timeline.event,
+                                 limits=dataclasses.replace(ROOMY, rounds=1))
+        drawing = timeline.text(result)
+        self.assertFalse([char for char in drawing if not char.isprintable() and char != "\n"])
+        xml.etree.ElementTree.fromstring(timeline.svg(result).split("\n", 1)[1])
+
+    async def test_each_limit_is_marked_where_it_acted_and_only_there(self):
+        # A serial batch: north is cut by tool_seconds, south then by the run's deadline.
+        registry = {**TOOLS, "read_partition": dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)}
+        limits = Limits(tool_seconds=0.2, model_seconds=5, total_seconds=0.35)
+        timeline = agent_loop.Timeline(limits)
+        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures(delays={"north": 30,
+                                 "south": 30})), registry=registry, on_event=timeline.event, limits=limits)
+        marks = [line.strip() for line in timeline.text(result).splitlines() if line.strip().startswith("^")]
+        self.assertEqual((result["status"], marks), ("deadline", ["^ tool_seconds", "^ deadline"]))
+
+        class OwnTimeout(Fixtures):  # a tool's own TimeoutError, long before its limit: no limit acted
+            async def invoke(self, call):
+                await super().invoke(call)
+                raise TimeoutError()
+
+        limits = dataclasses.replace(ROOMY, rounds=1)
+        timeline = agent_loop.Timeline(limits)
+        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(OwnTimeout(delays={})),
+                                 on_event=timeline.event, limits=limits)
+        self.assertEqual(errors(result), ["tool_timeout", "tool_timeout"])
+        self.assertNotIn("^", timeline.text(result))
+
+    def test_a_file_the_svg_cannot_go_to_is_refused_before_the_run(self):
+        done = run_command("demo", "--svg", os.path.join(HERE, "no such folder", "demo.svg"))
+        self.assertEqual((done.returncode, done.stdout), (2, ""))
+        self.assertIn("can't open", done.stderr)
+        self.assertNotIn("Traceback", done.stderr)
 
     async def test_the_readmes_drawings_are_those_of_the_runs_they_name(self):
         drawings = [block for block in re.findall(r"```\n(.*?)```", readme_section("See a run on a time axis"), re.S)
@@ -4029,19 +4139,23 @@ class HostileReviewTests(RuntimeTestCase):
                     self.assertIs(type(decision), dict)
                     self.assertIs(type(decision["kind"]), str)
 
-    async def test_10_an_exception_cannot_forge_a_status_through_its_class(self):
+    async def assertFaultOfModelAndTool(self, make_exception):
+        """What the model raises is model_exception; what a tool raises, in a parallel batch, tool_exception."""
         async def model(history):
-            raise ForgedClass()
+            raise make_exception()
 
         class Raises(Fixtures):
             async def invoke(self, call):
                 await super().invoke(call)
-                raise ForgedClass()
+                raise make_exception()
 
         self.assertEqual((await run_agent(model, limits=ROOMY))["status"], "model_exception")
         result = await run_agent(fixtures=Raises(delays={}), limits=ROOMY)
         self.assertEqual((result["status"], errors(result)), ("tool_exception", ["tool_exception"] * 2))
         self.assertNoPrivateText(result)
+
+    async def test_10_an_exception_cannot_forge_a_status_through_its_class(self):
+        await self.assertFaultOfModelAndTool(ForgedClass)
 
     async def test_11_work_that_finishes_after_its_limit_does_not_count_as_within_it(self):
         self.allowBlockingSteps()
@@ -4148,20 +4262,10 @@ class HostileReviewTests(RuntimeTestCase):
         class Odd(BaseException, metaclass=Meta):
             pass
 
-        async def model(history):
-            raise Odd()
-
         def plain(**args):
             raise Odd()
 
-        class Raises(Fixtures):
-            async def invoke(self, call):
-                await super().invoke(call)
-                raise Odd()
-
-        self.assertEqual((await run_agent(model, limits=ROOMY))["status"], "model_exception")
-        result = await run_agent(fixtures=Raises(delays={}), limits=ROOMY)
-        self.assertEqual((result["status"], errors(result)), ("tool_exception", ["tool_exception"] * 2))
+        await self.assertFaultOfModelAndTool(Odd)
         tools = FunctionTools({"f": plain})
         result = await run_agent(scripted(calls(call("a", "f"))), fixtures=tools, registry={"f": ToolSpec(1, True, True, validate=lambda args: True)},
                                  limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
