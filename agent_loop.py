@@ -320,9 +320,11 @@ SCHEMA_KEYWORDS = tuple(_SCHEMA_RULES)
 
 def _strict(schema):
     """True if the providers' strict mode takes schema as it is: every value typed, every object closed with
-    every property required, every array's items declared."""
+    every property required, every array's items declared, and an anyOf alone with its options (never at the
+    root, then, which is always of type object)."""
     if "anyOf" in schema:
-        return all(_strict(option) for option in schema["anyOf"])
+        alone = all(keyword == "anyOf" or keyword in SCHEMA_ANNOTATIONS for keyword in schema)
+        return alone and all(_strict(option) for option in schema["anyOf"])
     if "type" not in schema:
         return "enum" in schema or "const" in schema  # fixed values; anything else would be open
     kinds = [schema["type"]] if type(schema["type"]) is str else schema["type"]
@@ -419,9 +421,13 @@ class TemporaryError(Exception):
     """A recoverable tool fault: it becomes an observation, and the model may try again."""
 
 
+MAX_MESSAGE = 1_000  # characters of a ToolError's message kept for the model
+
+
 class ToolError(Exception):
     """A tool's own message to the model (an MCP server's isError result): the model may try again, and this one
-    exception's text is kept, as data, because the tool wrote it for the model to read."""
+    exception's text is kept, as data, because the tool wrote it for the model to read (its first MAX_MESSAGE
+    characters, and only if it is plain text)."""
 
     def __init__(self, message):
         super().__init__(message)
@@ -494,16 +500,22 @@ class Fixtures:
             self.finished.append(cid)
 
 
-class _Fault(Exception):
-    """A job's failure that cannot be passed on as it was raised; it keeps the class name, never the message."""
+_CANCEL_WAIT_FAILED = "cancel event"  # the error_type of a wait on the cancel event that failed
 
-    def __init__(self, error_type):
-        super().__init__(error_type)
-        self.error_type = error_type
+
+class _Fault(Exception):
+    """A job's failure that cannot be passed on as it was raised; it keeps the class of what was raised (or
+    _CANCEL_WAIT_FAILED), never the message."""
+
+    def __init__(self, raised):
+        super().__init__(raised)
+        self.raised = raised
 
 
 async def bounded(factory, seconds, cancel):
     """Return the result of factory() run as a task, unless `seconds` pass first or `cancel` is set."""
+    if not _a_time_limit(seconds):
+        raise ValueError("seconds must be a finite number > 0")
     if cancel.is_set():
         raise Stop("cancelled")
     cancel_wait = asyncio.create_task(asyncio.Event.wait(cancel))  # the class's wait: an instance cannot replace it
@@ -526,17 +538,17 @@ async def _bounded(factory, seconds, cancel, cancel_wait):
         if _was_set(cancel, cancel_wait):  # a set cancel wins, even over a job that also finished
             raise Stop("cancelled")
         if cancel_wait.done():  # it ended, but not because the event was set: the wait failed, which is no timeout
-            raise _Fault("cancel event")
+            raise _Fault(_CANCEL_WAIT_FAILED)
         # A job that held the loop past its limit (a slow copy, a blocking call) finished late, not within it.
         if not job.done() or loop.time() > end:
             raise TimeoutError
         if job.cancelled():  # nobody cancelled the job: it raised CancelledError by itself
-            raise _Fault("CancelledError")
+            raise _Fault(asyncio.CancelledError)
         raised = type(job.exception())  # type(), not isinstance: an object's __class__ may run its code
         if raised is not type(None) and (issubclass(raised, Stop) or not issubclass(raised, Exception)):
             # Stop is the runtime's own signal, and a BaseException such as GeneratorExit would end the
             # run's task: raised by the job, either is the job's fault, and the run goes on to say so.
-            raise _Fault(_class_name(raised))
+            raise _Fault(raised)
         return job.result()
     finally:
         await _settle(job)
@@ -639,18 +651,18 @@ def preflight(batch, used_ids, attempts, registry, limits):
         if type(cid) is not str or not 1 <= len(cid) <= 80:
             raise Stop("invalid_call_id", reason="a call id is a string of 1 to 80 characters")
         if cid in used_ids or cid in ids:
-            raise Stop("duplicate_call_id", call_id=cid, reason="the call id was used before")
+            raise Stop("duplicate_call_id", **_call_named(cid), reason="the call id was used before")
         if type(name) is not str or name not in registry:
-            raise Stop("unknown_tool", call_id=cid, **_named(name), reason="no tool of that name")
+            raise Stop("unknown_tool", **_call_named(cid), **_named(name), reason="no tool of that name")
         if registry[name].read_only is not True:
-            raise Stop("permission_denied", call_id=cid, name=name, reason="the tool is not read-only")
+            raise Stop("permission_denied", **_call_named(cid), name=name, reason="the tool is not read-only")
         reason = _argument_error(name, registry[name], args)
         if reason:
-            raise Stop("invalid_arguments", call_id=cid, name=name, reason=reason)
+            raise Stop("invalid_arguments", **_call_named(cid), name=name, reason=reason)
         signature = canonical([name, args])  # a fresh call id does not make a new attempt
         signatures[signature] += 1
         if attempts.get(signature, 0) + signatures[signature] > limits.attempts:
-            raise Stop("repeat_limit", call_id=cid, name=name,
+            raise Stop("repeat_limit", **_call_named(cid), name=name,
                        reason=f"the same tool and arguments at most {limits.attempts} times")
         ids.add(cid)
     return ids, signatures
@@ -658,7 +670,17 @@ def preflight(batch, used_ids, attempts, registry, limits):
 
 def _named(name):
     """{"name": name} for a stop's fields when the name is short plain text a reader can use, else nothing."""
-    return {"name": name} if type(name) is str and len(name) <= 80 and _is_data(name) else {}
+    return {"name": name} if _readable(name) else {}
+
+
+def _call_named(cid):
+    """{"call_id": cid} for a stop's fields when the id is plain text too: preflight checks only its length."""
+    return {"call_id": cid} if _readable(cid) else {}
+
+
+def _readable(text):
+    """True for short plain text: a name or an id that a stop's fields may carry."""
+    return type(text) is str and len(text) <= 80 and _is_data(text)
 
 
 def _argument_error(name, spec, args):
@@ -735,8 +757,13 @@ def _check_limits(limits):
             raise ValueError(f"{name} must be an int >= 0")
     for name in ("tool_seconds", "model_seconds", "total_seconds"):
         value = getattr(limits, name)
-        if type(value) not in (int, float) or not _finite(value) or value <= 0:
+        if not _a_time_limit(value):
             raise ValueError(f"{name} must be a finite number > 0")
+
+
+def _a_time_limit(seconds):
+    """True for a number of seconds a wait can be bounded by."""
+    return type(seconds) in (int, float) and _finite(seconds) and seconds > 0
 
 
 def _checked_registry(registry):
@@ -792,9 +819,17 @@ def _is_async(function):
         return None
 
 
+def _callable_object(thing, method=None):
+    """True if thing (or its method of that name) can be called, and thing is not a class: a class called with
+    history or a call only makes an instance of itself."""
+    if issubclass(type(thing), type):
+        return False
+    return callable(thing if method is None else getattr(thing, method, None))
+
+
 def _plain_function(function):
     """True if function can serve as a plain check: callable, not a class, and not async as far as inspect can tell."""
-    return callable(function) and not issubclass(type(function), type) and _is_async(function) is False
+    return _callable_object(function) and _is_async(function) is False
 
 
 def _class_name(kind):
@@ -814,7 +849,7 @@ def _kind(decision):
     if not all(type(key) is str for key in decision):  # a foreign key could run code on lookup
         return None
     kind = decision.get("kind")
-    return kind if type(kind) is str and len(kind) <= 80 and _is_data(kind) else None
+    return kind if _readable(kind) else None
 
 
 def _failure(item, error, retryable, **why):
@@ -839,14 +874,27 @@ def _tool_error(error):
             if code is None or code == "tool_timeout":  # the runtime's own signals: no class of the tool's to name
                 return code or str(error), retryable, {}
             if code == "tool_error":
-                message = error.message
-                return code, retryable, {"message": message} if type(message) is str and _is_data(message) else {}
+                # Read from the instance's own dict, where ToolError put it: a subclass's property never runs.
+                message = _EXCEPTION_DICT.__get__(error).get("message")
+                kept = type(message) is str and _is_data(message)
+                return code, retryable, {"message": message[:MAX_MESSAGE]} if kept else {}
             return code, retryable, {"error_type": _error_type(error)}
 
 
+_EXCEPTION_DICT = BaseException.__dict__["__dict__"]  # an exception's own attributes, read without running its code
+
+
 def _error_type(error):
-    """The class name of what was raised (for a _Fault, of what was raised in the first place), at most 80 long."""
-    return (error.error_type if type(error) is _Fault else _class_name(type(error)))[:80]
+    """The class name of what was raised (for a _Fault, of what was raised in the first place), at most 80 long.
+    A _Fault holds a class, or the runtime's one fixed text: never anyone's message, even if someone else made it."""
+    kind = type(error)
+    if kind is _Fault:
+        raised = _EXCEPTION_DICT.__get__(error).get("raised")
+        if type(raised) is str and raised == _CANCEL_WAIT_FAILED:
+            return raised
+        if issubclass(type(raised), type):
+            kind = raised
+    return _class_name(kind)[:80]
 
 
 # A batch that preflight refused for one of these may become an observation instead of the end of the run, if
@@ -864,6 +912,8 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
     _check_limits(limits)
     cancel = asyncio.Event() if cancel is None else cancel
     _check_cancel(cancel, loop)
+    if not _callable_object(model) or inspect.isasyncgenfunction(model):
+        raise ValueError("model must be an async function of history")
     own_registry = registry is not None
     registry = _checked_registry(TOOLS if registry is None else registry)
     tools = _checked_tools(fixtures, registry if own_registry else None, accept)
@@ -977,13 +1027,13 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             if type(cid) is not str or not 1 <= len(cid) <= 80:
                 raise Stop("invalid_call_id", reason="a call id is a string of 1 to 80 characters")
             if cid in used_ids or cid in cids:
-                raise Stop("duplicate_call_id", call_id=cid, reason="the call id was used before")
+                raise Stop("duplicate_call_id", **_call_named(cid), reason="the call id was used before")
             if type(name) is not str or not REPLAYABLE_NAME.fullmatch(name):
                 return False  # no provider would take it back: the refusal stops the run
             signature = canonical([name, item["arguments"]])
             seen[signature] += 1
             if attempts.get(signature, 0) + seen[signature] > limits.attempts:
-                raise Stop("repeat_limit", call_id=cid, name=name,
+                raise Stop("repeat_limit", **_call_named(cid), name=name,
                            reason=f"the same tool and arguments at most {limits.attempts} times")
             cids.append(cid)
         why = stop.why
@@ -1097,8 +1147,8 @@ async def _called(function, *args):
 
 def _checked_tools(fixtures, registry, accept):
     """The tools of the run (the inventory's Fixtures by default); ValueError for a mix that cannot work."""
-    if fixtures is not None and not callable(getattr(fixtures, "invoke", None)):
-        raise ValueError("fixtures must have an async invoke(call) method")
+    if fixtures is not None and not _callable_object(fixtures, "invoke"):
+        raise ValueError("fixtures must be an object with an async invoke(call) method")
     own = [name for name in (registry or ()) if name not in TOOLS]
     if own and fixtures is None:
         raise ValueError(f"fixtures: the default Fixtures serve only the inventory's tools, not {own[0]}")
@@ -1152,22 +1202,30 @@ def main(argv=None):
     atlas.add_argument("--json", action="store_true", help="print the table as a JSON list")
     for command in (shown, atlas):
         command.add_argument("--timeline", action="store_true", help="draw the run on a time axis after it")
-        command.add_argument("--svg", metavar="FILE", type=argparse.FileType("w", encoding="utf-8"),
-                             help="write the drawing to FILE as an SVG document")
+        command.add_argument("--svg", metavar="FILE", help="write the drawing to FILE as an SVG document")
     timing = commands.add_parser("bench", help="measure parallel batches, overhead, time limits and growth")
     timing.add_argument("--quick", action="store_true", help="fewer repeats: a smoke run of a few seconds")
     timing.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = parser.parse_args(argv)
-    drawn = getattr(args, "timeline", False) or getattr(args, "svg", None)
+    path = getattr(args, "svg", None)
+    drawn = getattr(args, "timeline", False) or path
     if args.command == "scenarios" and drawn and not args.name:
         parser.error("--timeline and --svg draw one scenario: give its NAME")
+    if args.command == "scenarios" and args.json and args.name:
+        parser.error("--json prints the table of every scenario: give no NAME")
+    svg = None
+    if path:  # opened once the arguments hold, and before the run: a path it cannot write is refused first
+        try:
+            svg = open(path, "w", encoding="utf-8")
+        except OSError as error:
+            parser.error(f"argument --svg: can't open '{path}': {error.strerror}")
     try:
         if args.command == "scenarios":
-            asyncio.run(scenarios(args.name, args.json, args.timeline, args.svg))
+            asyncio.run(scenarios(args.name, args.json, args.timeline, svg))
         elif args.command == "bench":
             asyncio.run(bench(args.quick, args.json))
         elif drawn:
-            asyncio.run(drawn_demo(args.timeline, args.svg))
+            asyncio.run(drawn_demo(args.timeline, svg))
         else:
             asyncio.run(demo())
         sys.stdout.flush()  # here, not at exit, so that a reader who stopped reading is handled below
@@ -1176,6 +1234,9 @@ def main(argv=None):
         # so that Python's own flush at exit does not fail a second time, and say so in the exit status.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    finally:
+        if svg is not None:
+            svg.close()
     return 0
 
 
@@ -1201,7 +1262,7 @@ async def _in_thread(function, kwargs, start=_start_thread, on_abandoned=None):
             # asyncio cannot carry a StopIteration into a future (on 3.11 and 3.12 the waiter would never
             # wake up), and a BaseException would end the run: both pass on as a fault with the class name.
             plain = issubclass(raised, Exception) and not issubclass(raised, StopIteration)
-            outcome.set_exception(error if plain else _Fault(_class_name(raised)))
+            outcome.set_exception(error if plain else _Fault(raised))
 
     start(work)
     try:
@@ -1667,6 +1728,8 @@ async def _ask(create, request):
 
 def _model(create, options, turns, replay, tools, decide):
     """A model for run_agent: one request per decision, the task's turns then history replayed, the tools offered."""
+    if not _callable_object(create):
+        raise ValueError("create must be your client's method, such as client.responses.create")
     key, first = turns
 
     async def model(history):
@@ -1874,9 +1937,6 @@ def mcp_registry(listed, read_only=(), parallel_safe=(), cost=1):
                                   description=description if type(description) is str else "",
                                   parameters=_either(tool, "inputSchema", "input_schema"))
     return _checked_registry(registry)  # a schema the strict check cannot honour is a ValueError naming the tool
-
-
-MAX_MESSAGE = 1_000  # characters of a server's isError text kept for the model
 
 
 class McpTools:
@@ -2110,9 +2170,8 @@ def _draw(runs, text, svg):
     """Print each (title, timeline, result) as text, and write them all to the file svg as one SVG document."""
     for title, timeline, result in runs if text else ():
         print(timeline.text(result), end="")
-    if svg:  # a file argparse opened, so that a path it cannot write is refused before the run
-        with svg:
-            svg.write(_svg_document(runs))
+    if svg:  # a file main() opened, and closes
+        svg.write(_svg_document(runs))
 
 
 def _svg_document(runs):

@@ -1972,6 +1972,14 @@ class ProviderBridgeTests(RuntimeTestCase):
                     additionalProperties=False), False),  # an open map without a type
             (schema(properties={"a": {"type": "array"}}, required=["a"], additionalProperties=False), False),  # any items
             (schema(properties={"a": {"enum": [1, "x"]}}, required=["a"], additionalProperties=False), True),
+            # anyOf: never at the root, and never beside a rule of its own, which strict mode would not check
+            (schema(properties=closed, anyOf=[schema(properties=closed, required=["a"], additionalProperties=False)]),
+             False),
+            (schema(anyOf=[schema(properties=closed, required=["a"], additionalProperties=False)]), False),
+            (schema(properties={"a": {"anyOf": [{"type": "null"}, {"type": "string"}], "minLength": 2}},
+                    required=["a"], additionalProperties=False), False),
+            (schema(properties={"a": {"anyOf": [{"type": "null"}, {"type": "string"}], "description": "a or null"}},
+                    required=["a"], additionalProperties=False), True),
         ]
         for parameters, strict in cases:
             with self.subTest(parameters=parameters):
@@ -2810,9 +2818,11 @@ class WhyTests(RuntimeTestCase):
         with self.assertRaises(ValueError) as raised:
             FunctionTools({"get": None})
         self.assertEqual(str(raised.exception), "get: not a function")
+        no_invoke = "fixtures must be an object with an async invoke(call) method"
         cases = [
-            ({"fixtures": {"get_rate": dict}, "registry": CONVERSION_TOOLS, "accept": conversion_accepted},
-             "fixtures must have an async invoke(call) method"),
+            ({"fixtures": {"get_rate": dict}, "registry": CONVERSION_TOOLS, "accept": conversion_accepted}, no_invoke),
+            ({"fixtures": Fixtures}, no_invoke),  # the class, not an object of it
+            ({"fixtures": FunctionTools, "registry": CONVERSION_TOOLS, "accept": conversion_accepted}, no_invoke),
             ({"fixtures": FunctionTools(RateDesk().functions())},
              "registry: give the registry of your FunctionTools; the default is the inventory's"),
             ({"on_event": watcher}, "on_event must be a function or None"),
@@ -2820,6 +2830,29 @@ class WhyTests(RuntimeTestCase):
         for options, message in cases:
             with self.subTest(message=message):
                 await self.assertRefusedBeforeTheModelIsAsked(message, **options)
+
+    async def test_a_model_that_cannot_be_asked_is_a_value_error_before_the_run(self):
+        async def streams(history):
+            yield {"kind": "final", "answer": None}
+
+        class Model:
+            async def __call__(self, history):
+                return await fake_model(history)
+
+        for model in (None, {"kind": "final"}, Model, streams):
+            with self.subTest(model=model), self.assertRaises(ValueError) as raised:
+                await run_agent(model)
+            self.assertEqual(str(raised.exception), "model must be an async function of history")
+        self.assertEqual((await run_agent(Model()))["status"], "completed")  # an object of it is a model
+        self.assertEqual((await run_agent(lambda history: fake_model(history)))["status"], "completed")
+        for bridge in (agent_loop.responses_model, agent_loop.chat_model):
+            for create in (None, "client.responses.create", Model):
+                with self.subTest(bridge=bridge.__name__, create=create), self.assertRaises(ValueError) as raised:
+                    bridge(create, "the task")
+                self.assertEqual(str(raised.exception),
+                                 "create must be your client's method, such as client.responses.create")
+        with self.assertRaises(ValueError):
+            agent_loop.messages_model(None, "the task", max_tokens=100)
 
     async def test_an_exception_class_name_is_kept_short(self):
         Long = type("E" * 100_000, (Exception,), {})
@@ -4376,6 +4409,143 @@ class HostileReviewTests(RuntimeTestCase):
 
 
 # The result-ownership experiment (result_ownership.py, verify_ownership.py, expected.json)
+
+class WholeReadmeReviewTests(RuntimeTestCase):
+    """What a hostile review of the whole README broke, each pinned where it was fixed."""
+
+    LOOKUP = {"lookup": ToolSpec(1, True, True, parameters={
+        "type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"],
+        "additionalProperties": False})}
+
+    async def lookups(self, raise_it, parallel=False):
+        """A run of two lookups, each raising what raise_it(key) gives, then any final answer, accepted."""
+        def lookup(key):
+            raise raise_it(key)
+
+        registry = {"lookup": dataclasses.replace(self.LOOKUP["lookup"], parallel_safe=parallel)}
+        batch = calls(call("a", "lookup", key="north"), call("b", "lookup", key="south"))
+        return await run_agent(scripted(batch, final("done")), registry=registry, limits=ROOMY,
+                               fixtures=FunctionTools({"lookup": lookup}), accept=lambda answer, history: True)
+
+    async def test_a_tool_error_that_lost_its_message_is_still_a_tool_error_and_never_crashes_the_run(self):
+        class NotFound(agent_loop.ToolError):
+            def __init__(self, key):  # forgets super().__init__: there is no message
+                self.key = key
+
+        class Loud(agent_loop.ToolError):
+            @property
+            def message(self):
+                raise RuntimeError("private text from a property")
+
+            @message.setter
+            def message(self, value):
+                pass
+
+        class Shaped(agent_loop.ToolError):
+            def __init__(self, key):
+                super().__init__(key)
+                self.message = {"not": "text"}
+
+        for raised in (NotFound, Loud, Shaped):
+            for parallel in (False, True):
+                with self.subTest(raised=raised.__name__, parallel=parallel):
+                    result = await self.lookups(raised, parallel)
+                    self.assertEqual(result["status"], "completed")
+                    self.assertEqual([(obs["error"], obs["retryable"]) for obs in observations(result)],
+                                     [("tool_error", True)] * 2)
+                    self.assertEqual([obs.get("message") for obs in observations(result)], [None, None])
+                    self.assertNoPrivateText(result)
+
+    async def test_a_tool_errors_message_is_kept_to_max_message_characters_from_any_tools(self):
+        result = await self.lookups(lambda key: agent_loop.ToolError(key * 10_000))
+        self.assertEqual([obs["message"] for obs in observations(result)],
+                         ["north" * 200, "south" * 200])
+        self.assertEqual(agent_loop.MAX_MESSAGE, 1_000)
+
+    async def test_only_the_runtimes_own_fault_names_a_class_of_its_choosing(self):
+        Fault = agent_loop._Fault
+        for what, error_type in ((Fault(123), "_Fault"), (Fault("password=hunter2 private"), "_Fault"),
+                                 (Fault(StopIteration), "StopIteration")):
+            async def model(history, what=what):
+                raise what
+
+            with self.subTest(what=what):
+                result = await run_agent(model, limits=ROOMY)
+                self.assertEqual((result["status"], result["trace"][-1]["error_type"]),
+                                 ("model_exception", error_type))
+                self.assertNoPrivateText(result)
+
+                def tool(key, what=what):
+                    raise what
+
+                tools = FunctionTools({"lookup": tool})
+                result = await run_agent(scripted(calls(call("a", "lookup", key="k"))), registry=self.LOOKUP,
+                                         fixtures=tools, limits=ROOMY, accept=never_accept)
+                self.assertEqual([(obs["error"], obs["error_type"]) for obs in observations(result)],
+                                 [("tool_exception", error_type)])
+        # The runtime's own faults name the class that was raised in the first place.
+        for raised in (asyncio.CancelledError, GeneratorExit, Stop):
+            async def model(history, raised=raised):
+                raise raised("private")
+
+            with self.subTest(model_raised=raised.__name__):
+                result = await run_agent(model, limits=ROOMY)
+                self.assertEqual(result["trace"][-1]["error_type"], raised.__name__)
+        for raised in (SystemExit, StopIteration, KeyboardInterrupt):
+            def tool(key, raised=raised):
+                raise raised("private")
+
+            with self.subTest(thread_raised=raised.__name__):
+                result = await run_agent(scripted(calls(call("a", "lookup", key="k"))), registry=self.LOOKUP,
+                                         fixtures=FunctionTools({"lookup": tool}), limits=ROOMY, accept=never_accept)
+                self.assertEqual(result["trace"][-1]["error_type"], raised.__name__)
+                self.assertNoPrivateText(result)
+
+    async def test_a_call_id_that_is_not_plain_text_never_reaches_a_stop_event(self):
+        cases = [  # (batch, status): each stop names its call, when it can
+            ([call("\ud800", partition="north"), call("\ud800", partition="south")], "duplicate_call_id"),
+            ([call("\ud800", "place_order")], "unknown_tool"),
+            ([call("\ud800", partition="west")], "invalid_arguments"),
+        ]
+        for batch, status in cases:
+            with self.subTest(status=status):
+                result = await run_agent(scripted(calls(*batch)), limits=ROOMY)
+                stop = result["trace"][-1]
+                self.assertEqual(stop["status"], status)
+                self.assertNotIn("call_id", stop)
+                json.dumps(result, ensure_ascii=False).encode()  # UTF-8 takes all of it
+        result = await run_agent(scripted(calls(call("a", partition="west"))), limits=ROOMY)
+        self.assertEqual(result["trace"][-1]["call_id"], "a")  # a plain id is named as before
+
+    async def test_bounded_refuses_a_wait_it_cannot_bound(self):
+        async def never():
+            await asyncio.Event().wait()
+
+        for seconds in (float("nan"), float("inf"), -1, 0, True, "5", 10 ** 400):
+            with self.subTest(seconds=seconds), self.assertRaises(ValueError) as raised:
+                await bounded(never, seconds, asyncio.Event())
+            self.assertEqual(str(raised.exception), "seconds must be a finite number > 0")
+        self.assertNoTaskLeft()
+
+    def test_the_command_line_refuses_a_mix_before_it_touches_a_file(self):
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "kept.svg")
+            with open(path, "w", encoding="utf-8") as file:
+                file.write("kept")
+            for argv, says in ((("scenarios", "--json", "--svg", path), "give its NAME"),
+                               (("scenarios", "deadline", "--json"), "give no NAME"),
+                               (("scenarios", "deadline", "--json", "--svg", path), "give no NAME")):
+                with self.subTest(argv=argv):
+                    done = run_command(*argv)
+                    self.assertEqual((done.returncode, done.stdout), (2, ""))
+                    self.assertIn(says, done.stderr)
+                    with open(path, encoding="utf-8") as file:
+                        self.assertEqual(file.read(), "kept")
+            done = run_command("scenarios", "deadline", "--svg", path)
+            self.assertEqual(done.returncode, 0)
+            with open(path, encoding="utf-8") as file:
+                self.assertTrue(file.read().startswith("<?xml"))
+
 
 class OwnershipTests(unittest.IsolatedAsyncioTestCase):
     def oracle(self):
