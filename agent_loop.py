@@ -10,6 +10,7 @@
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import copy
 import inspect
 import json
@@ -921,7 +922,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
         raise ValueError("accept must be a plain function")
     if on_refused not in ("stop", "observe"):
         raise ValueError("on_refused must be 'stop' or 'observe'")
-    if on_event is not None and (not callable(on_event) or inspect.isasyncgenfunction(on_event)):
+    if on_event is not None and (not _callable_object(on_event) or inspect.isasyncgenfunction(on_event)):
         raise ValueError("on_event must be a function or None")
 
     deadline = loop.time() + limits.total_seconds
@@ -1017,9 +1018,9 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
         a bad or repeated id, a repeated signature past its attempts): that stops it instead, with its status."""
         calls = decision.get("calls") if type(decision) is dict else None
         if (on_refused != "observe" or str(stop) not in REFUSALS_TO_OBSERVE or type(calls) is not list
-                or not 1 <= len(calls) <= MAX_CALLS_OBSERVED or not _is_data(calls, depth=-2)):
+                or not 1 <= len(calls) <= MAX_CALLS_OBSERVED):
             return False
-        cids, seen = [], Counter()
+        cids, seen, replayable = [], Counter(), True
         for item in calls:  # every check of preflight that stops even an observed batch, on every call
             if not _has_keys(item, CALL_KEYS):
                 raise Stop("invalid_call", reason="a call is a dict of exactly call_id, name and arguments")
@@ -1028,14 +1029,18 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
                 raise Stop("invalid_call_id", reason="a call id is a string of 1 to 80 characters")
             if cid in used_ids or cid in cids:
                 raise Stop("duplicate_call_id", **_call_named(cid), reason="the call id was used before")
-            if type(name) is not str or not REPLAYABLE_NAME.fullmatch(name):
-                return False  # no provider would take it back: the refusal stops the run
-            signature = canonical([name, item["arguments"]])
-            seen[signature] += 1
-            if attempts.get(signature, 0) + seen[signature] > limits.attempts:
-                raise Stop("repeat_limit", **_call_named(cid), name=name,
-                           reason=f"the same tool and arguments at most {limits.attempts} times")
+            if _is_data(item, depth=-1):  # else it has no signature: preflight refused it for that
+                signature = canonical([name, item["arguments"]])
+                seen[signature] += 1
+                if attempts.get(signature, 0) + seen[signature] > limits.attempts:
+                    raise Stop("repeat_limit", **_call_named(cid), **_named(name),
+                               reason=f"the same tool and arguments at most {limits.attempts} times")
+            # A name no provider would take back in a replay: the refusal stops the run, once every call had
+            # its own checks.
+            replayable = replayable and type(name) is str and REPLAYABLE_NAME.fullmatch(name) is not None
             cids.append(cid)
+        if not replayable or not _is_data(calls, depth=-2):
+            return False
         why = stop.why
         record = {"round": turn, "calls": calls, "observations": [
             _failure(item, str(stop), True, reason=why["reason"] if why.get("call_id", cid) == cid else
@@ -1097,7 +1102,10 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
                 # The check gets copies: what it does to them changes neither the answer nor history.
                 if not _passes(accept, _copy(answer), _copy(history)):
                     raise Stop("invalid_final", rejected=answer, reason="the final check did not accept it")
-                time_left()  # an answer accepted only after the deadline came too late
+                # An answer accepted only after the deadline came too late. One turn of the loop first: the
+                # wait on the cancel event sees a cancel that accept set and cleared at once.
+                await asyncio.sleep(0)
+                time_left()
                 return await finish("completed", answer)
 
             # Admit the whole batch, or nothing starts: preflight passed, and now the budgets.
@@ -1229,14 +1237,23 @@ def main(argv=None):
         else:
             asyncio.run(demo())
         sys.stdout.flush()  # here, not at exit, so that a reader who stopped reading is handled below
+        if svg is not None:
+            svg.close()  # its last write happens here: a full disk shows now, not at exit
     except BrokenPipeError:
         # The reader stopped reading (`| head -1`): nothing is wrong with the run. Point stdout at devnull,
         # so that Python's own flush at exit does not fail a second time, and say so in the exit status.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except OSError as error:
+        # Output that cannot be written (a full disk): one line, no traceback. Stdout may be what failed:
+        # point it at devnull, as above, so that the flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"{parser.prog}: error: cannot write the output: {error.strerror}", file=sys.stderr)
+        return 1
     finally:
-        if svg is not None:
-            svg.close()
+        if svg is not None and not svg.closed:
+            with contextlib.suppress(OSError):  # already said above
+                svg.close()
     return 0
 
 
@@ -1675,13 +1692,20 @@ def _no_duplicate_keys(pairs):
     return dict(pairs)
 
 
-def _arguments(text):
-    """The JSON object that arguments text encodes; anything else stays as it came, for preflight to refuse."""
+def _json_or_text(text):
+    """The plain JSON data that text encodes; else the text as it came: text that is not JSON, or JSON that is not
+    plain data (a key twice, NaN, a number too large, a lone surrogate: an order id of 24 digits is text after all)."""
     try:
         value = json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except (TypeError, ValueError, RecursionError):
         return text
-    return value if type(value) is dict and _is_data(value) else text  # NaN or a huge number: still the text
+    return value if _is_data(value) else text
+
+
+def _arguments(text):
+    """The JSON object that arguments text encodes; anything else stays as it came, for preflight to refuse."""
+    value = _json_or_text(text)
+    return value if type(value) is dict else text
 
 
 def _decide(calls, text, refused):
@@ -1692,10 +1716,7 @@ def _decide(calls, text, refused):
         return {"kind": "calls", "calls": calls}
     if not text.strip():
         return {"kind": "empty"}
-    try:  # parsed as JSON when it is JSON; the final check judges it either way
-        return {"kind": "final", "answer": json.loads(text)}
-    except (ValueError, RecursionError):
-        return {"kind": "final", "answer": text}
+    return {"kind": "final", "answer": _json_or_text(text)}  # the final check judges it either way
 
 
 def _output(obs):
@@ -1958,11 +1979,7 @@ class McpTools:
         if structured is not None:
             return structured
         if len(blocks) == 1 and texts and texts[0] is not None:
-            try:  # one text block holding JSON: how a server returns a dict without an output schema
-                value = json.loads(texts[0])
-            except (ValueError, RecursionError):
-                return texts[0]
-            return value if _is_data(value) else texts[0]  # "NaN", an order id of 24 digits: text after all
+            return _json_or_text(texts[0])  # one text block holding JSON: how a server returns a dict without a schema
         return blocks
 
 

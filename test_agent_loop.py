@@ -2826,6 +2826,7 @@ class WhyTests(RuntimeTestCase):
             ({"fixtures": FunctionTools(RateDesk().functions())},
              "registry: give the registry of your FunctionTools; the default is the inventory's"),
             ({"on_event": watcher}, "on_event must be a function or None"),
+            ({"on_event": dict}, "on_event must be a function or None"),  # a class: it would only make dicts
         ]
         for options, message in cases:
             with self.subTest(message=message):
@@ -2845,6 +2846,19 @@ class WhyTests(RuntimeTestCase):
             self.assertEqual(str(raised.exception), "model must be an async function of history")
         self.assertEqual((await run_agent(Model()))["status"], "completed")  # an object of it is a model
         self.assertEqual((await run_agent(lambda history: fake_model(history)))["status"], "completed")
+
+        def plain(history):  # nothing tells it from the lambda above before it is called
+            return {"kind": "final", "answer": None}
+
+        class PlainInvoke:
+            def invoke(self, call):
+                return {}
+
+        result = await run_agent(plain)
+        self.assertEqual((result["status"], result["used"]["rounds"], result["trace"][-1]["error_type"]),
+                         ("model_exception", 1, "TypeError"))
+        result = await run_agent(fixtures=PlainInvoke())
+        self.assertEqual((result["status"], result["trace"][-1]["error_type"]), ("tool_exception", "TypeError"))
         for bridge in (agent_loop.responses_model, agent_loop.chat_model):
             for create in (None, "client.responses.create", Model):
                 with self.subTest(bridge=bridge.__name__, create=create), self.assertRaises(ValueError) as raised:
@@ -4545,6 +4559,71 @@ class WholeReadmeReviewTests(RuntimeTestCase):
             self.assertEqual(done.returncode, 0)
             with open(path, encoding="utf-8") as file:
                 self.assertTrue(file.read().startswith("<?xml"))
+
+
+class SecondWholeReadmeReviewTests(RuntimeTestCase):
+    """What a second hostile review of the whole README broke, each pinned where it was fixed."""
+
+    async def test_a_final_text_that_is_json_but_not_plain_data_reaches_the_final_check_as_text(self):
+        judged = []
+
+        def accept(answer, history):
+            judged.append(answer)
+            return True
+
+        for text in ("123456789012345678901234", "NaN", "1e999", '{"a": 1, "a": 2}', '"\\ud800"'):
+            async def create(**request):
+                return {"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": text}}]}
+
+            with self.subTest(text=text):
+                model = agent_loop.chat_model(create, "Give the order id.", registry=CONVERSION_TOOLS)
+                result = await run_agent(model, registry=CONVERSION_TOOLS, fixtures=FunctionTools(RateDesk().functions()),
+                                         accept=accept, limits=ROOMY)
+                self.assertEqual((result["status"], result["answer"], judged[-1]), ("completed", text, text))
+        async def create(**request):
+            return {"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": '{"total": 5}'}}]}
+
+        model = agent_loop.chat_model(create, "Give the order id.", registry=CONVERSION_TOOLS)
+        result = await run_agent(model, registry=CONVERSION_TOOLS, fixtures=FunctionTools(RateDesk().functions()),
+                                 accept=accept, limits=ROOMY)
+        self.assertEqual(result["answer"], {"total": 5})  # plain JSON data is still parsed
+
+    async def test_an_observed_refusal_stops_with_the_first_calls_own_stop_whatever_comes_before_it(self):
+        tools = {"t": ToolSpec(1, True, True, parameters={"type": "object", "additionalProperties": False})}
+        cases = [  # (batch, status): the first call is refused, a later one has a stop of its own
+            ([call("a", "nope"), call("b", "bad name"), call("", "t")], "invalid_call_id"),
+            ([call("a", "nope"), call("b", "bad name"), "not a dict"], "invalid_call"),
+            ([call("a", "nope"), call("b", "bad name"), call("a", "t")], "duplicate_call_id"),
+            ([call("a", "nope"), ("a", "tuple")], "invalid_call"),
+            ([call("a", "bad name", x={1, 2}), call("b", "t"), call("c", "t")], "repeat_limit"),
+            ([call("a", "nope"), call("b", "bad name")], "unknown_tool"),  # no own stop: the refusal stops it
+        ]
+        for batch, status in cases:
+            with self.subTest(status=status, batch=repr(batch)[:60]):
+                result = await run_agent(scripted(calls(*batch)), registry=tools, fixtures=FunctionTools({"t": dict}),
+                                         limits=dataclasses.replace(ROOMY, attempts=1), accept=never_accept,
+                                         on_refused="observe")
+                self.assertEqual((result["status"], result["history"]), (status, []))
+
+    async def test_a_cancel_set_and_cleared_at_once_by_accept_still_cancels(self):
+        cancel = asyncio.Event()
+
+        def pulses(answer, history):
+            cancel.set()
+            cancel.clear()
+            return accepted(answer, history)
+
+        result = await run_agent(cancel=cancel, accept=pulses, limits=ROOMY)
+        self.assertEqual(result["status"], "cancelled")
+
+    @unittest.skipUnless(os.path.exists("/dev/full"), "needs /dev/full, a file that refuses every write")
+    def test_a_drawing_that_cannot_be_written_is_an_error_line_not_a_traceback(self):
+        for argv in (("demo", "--svg", "/dev/full"), ("scenarios", "cancelled", "--svg", "/dev/full")):
+            with self.subTest(argv=argv):
+                done = run_command(*argv)
+                self.assertEqual(done.returncode, 1)
+                self.assertNotIn("Traceback", done.stderr)
+                self.assertIn("No space left on device", done.stderr)
 
 
 class OwnershipTests(unittest.IsolatedAsyncioTestCase):
