@@ -1441,7 +1441,6 @@ async def run_scenario(name, on_event=None, timeline=None):
     limits = replace(Limits(), **how.get("limits", {}))
     model, tools = how.get("model", fake_model), fixtures
     if timeline is not None:
-        timeline.limits = timeline.limits or limits
         model, tools, on_event = timeline.model(model), timeline.tools(fixtures), timeline.watching(on_event)
     result = await run_agent(model, limits=limits, fixtures=tools, cancel=cancel, registry=registry,
                              on_event=on_event)
@@ -1752,6 +1751,10 @@ def _model(create, options, turns, replay, tools, decide):
     if not _callable_object(create):
         raise ValueError("create must be your client's method, such as client.responses.create")
     key, first = turns
+    for own in (key, "tools"):
+        if own in options:  # it would be replaced without a word
+            raise ValueError(f"{own}: the bridge builds it from the task, history and registry; give your own "
+                             f"opening turns as task")
 
     async def model(history):
         request = {**options, key: [*_copy(first), *replay(history)], "tools": _copy(tools)}
@@ -1761,9 +1764,13 @@ def _model(create, options, turns, replay, tools, decide):
 
 
 def _task(task):
-    if type(task) is not str or not task:
-        raise ValueError("task must be a non-empty string")
-    return [{"role": "user", "content": task}]
+    """The turns that open every request: the task as the user's message, or your own turns, in the provider's
+    shape, as a list (a system message, then the user's, for Chat Completions)."""
+    if type(task) is str and task:
+        return [{"role": "user", "content": task}]
+    if type(task) is list and task and all(type(turn) is dict for turn in task) and _is_data(task):
+        return _copy(task)
+    raise ValueError("task must be a non-empty string, or a non-empty list of turns as plain data")
 
 
 # The OpenAI Responses API
@@ -1995,10 +2002,10 @@ class Timeline:
     """A recorder that draws a run: when each decision was asked and answered, when each call started and
     ended, with its outcome, and the limits that acted, on the event loop's clock. One Timeline per run."""
 
-    def __init__(self, limits=None):
-        self.limits = limits  # the run's Limits, if known: a timeout shorter than its limit was the tool's own
+    def __init__(self):
         self.decisions = []   # (asked, answered) of each decision, in order: one per round
         self.calls = {}       # call_id -> (started, ended)
+        self.cut = set()      # call ids, and ("model", round), that the runtime's wait ended, not they themselves
         self.events = []      # (time, trace event)
 
     @staticmethod
@@ -2007,10 +2014,16 @@ class Timeline:
 
     def model(self, model):
         """The model, wrapped so that each decision's asking and answering are recorded; nothing else changes."""
+        if not _callable_object(model) or inspect.isasyncgenfunction(model):
+            raise ValueError("model must be an async function of history")
+
         async def timed(history):
             asked = self._now()
             try:
                 return await model(history)
+            except asyncio.CancelledError:
+                self.cut.add(("model", len(self.decisions) + 1))
+                raise
             finally:
                 self.decisions.append((asked, self._now()))
 
@@ -2018,6 +2031,8 @@ class Timeline:
 
     def tools(self, tools):
         """The tools object, wrapped so that each call's start and end are recorded; nothing else changes."""
+        if not _callable_object(tools, "invoke"):
+            raise ValueError("fixtures must be an object with an async invoke(call) method")
         return _TimedTools(self, tools)
 
     def event(self, event):
@@ -2025,11 +2040,14 @@ class Timeline:
         self.events.append((self._now(), event))
 
     def watching(self, on_event=None):
-        """An on_event that records each event, then hands it to on_event too (a plain function), if given."""
-        def both(event):
+        """An on_event that records each event, then hands it to on_event too (plain or async), if given."""
+        if on_event is not None and (not _callable_object(on_event) or inspect.isasyncgenfunction(on_event)):
+            raise ValueError("on_event must be a function or None")
+
+        async def both(event):
             self.event(event)
             if on_event is not None:
-                on_event(event)
+                await _called(on_event, event)
 
         return both
 
@@ -2037,9 +2055,17 @@ class Timeline:
         """What the drawing shows: per round, a lane for the decision and one per call (name, tool, start, end,
         outcome); the limits that acted (limit, time, round); the run's status; ValueError if this timeline did
         not record this run, and only it."""
-        if self.decisions and len(self.decisions) != result["used"]["rounds"]:
-            raise ValueError("this Timeline recorded another run too: use one Timeline per run, its model wrapped once")
         stop = result["trace"][-1]
+        if [event for _, event in self.events] != result["trace"]:
+            raise ValueError("this Timeline did not see this run's events, or saw another run's too: give run_agent "
+                             "on_event=timeline.event, one Timeline per run")
+        # A round may be paid and then stopped before its model was asked (a deadline or cancel during the copy).
+        paid = result["used"]["rounds"]
+        if self.decisions and not (len(self.decisions) == paid or
+                                   len(self.decisions) == paid - 1 and stop["status"] in ("deadline", "cancelled")):
+            raise ValueError("this Timeline recorded another run too: use one Timeline per run, its model wrapped once")
+        if result["used"]["calls"] and not self.calls:
+            raise ValueError("calls ran that were not recorded: give run_agent fixtures=timeline.tools(...)")
         kinds = {event["round"]: event["kind"] for _, event in self.events if event["event"] == "decision"}
         rounds = {}
         for number, (asked, answered) in enumerate(self.decisions, 1):
@@ -2065,13 +2091,13 @@ class Timeline:
                 if ends else 0.0)
         earliest = {}
         for number, lanes in rounds.items():
-            for _, tool, began, ended, outcome in lanes:
+            for name, tool, began, ended, outcome in lanes:
                 limit = None
-                if outcome in ("tool_timeout", "model_timeout") and ended is not None:
-                    own = getattr(self.limits, "model_seconds" if tool == "decision" else "tool_seconds", None)
+                cut = (("model", number) if tool == "decision" else name) in self.cut
+                if outcome in ("tool_timeout", "model_timeout") and cut:  # uncut, it raised TimeoutError itself
                     if status == "deadline" and stopped - ended <= max(0.002, span / 50):
                         limit = "deadline"  # cut with the run, at its end
-                    elif own is None or ended - began >= own * 0.95:  # not sooner than its limit: the limit acted
+                    else:
                         limit = "model_seconds" if tool == "decision" else "tool_seconds"
                 elif outcome == "cancelled" and ended is not None:
                     limit = "cancel"
@@ -2159,11 +2185,14 @@ class _TimedTools:
             check(self.inner, registry)
 
     async def invoke(self, call):
-        started = self.timeline._now()
+        cid, started = call["call_id"], self.timeline._now()  # the id first: the tool may edit its own copy
         try:
             return await self.inner.invoke(call)
+        except asyncio.CancelledError:
+            self.timeline.cut.add(cid)  # the runtime's wait ended it: a time limit or the cancel acted
+            raise
         finally:
-            self.timeline.calls[call["call_id"]] = (started, self.timeline._now())
+            self.timeline.calls[cid] = (started, self.timeline._now())
 
 
 def _ms_digits(span):
@@ -2175,7 +2204,7 @@ async def drawn_demo(text=True, svg=None):
     """The demo, each run printed as the demo prints it, then drawn: on the terminal, or into an SVG file."""
     drawings = []
     for title, make_fixtures in DEMO_RUNS:
-        fixtures, timeline = make_fixtures(), Timeline(Limits())
+        fixtures, timeline = make_fixtures(), Timeline()
         result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(fixtures), on_event=timeline.event)
         show_run(title, result, fixtures)
         drawings.append((title, timeline, result))

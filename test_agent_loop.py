@@ -3429,7 +3429,7 @@ class TimelineTests(RuntimeTestCase):
         # A serial batch: north is cut by tool_seconds, south then by the run's deadline.
         registry = {**TOOLS, "read_partition": dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)}
         limits = Limits(tool_seconds=0.2, model_seconds=5, total_seconds=0.35)
-        timeline = agent_loop.Timeline(limits)
+        timeline = agent_loop.Timeline()
         result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures(delays={"north": 30,
                                  "south": 30})), registry=registry, on_event=timeline.event, limits=limits)
         marks = [line.strip() for line in timeline.text(result).splitlines() if line.strip().startswith("^")]
@@ -3441,7 +3441,7 @@ class TimelineTests(RuntimeTestCase):
                 raise TimeoutError()
 
         limits = dataclasses.replace(ROOMY, rounds=1)
-        timeline = agent_loop.Timeline(limits)
+        timeline = agent_loop.Timeline()
         result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(OwnTimeout(delays={})),
                                  on_event=timeline.event, limits=limits)
         self.assertEqual(errors(result), ["tool_timeout", "tool_timeout"])
@@ -4624,6 +4624,134 @@ class SecondWholeReadmeReviewTests(RuntimeTestCase):
                 self.assertEqual(done.returncode, 1)
                 self.assertNotIn("Traceback", done.stderr)
                 self.assertIn("No space left on device", done.stderr)
+
+
+class ThirdWholeReadmeReviewTests(RuntimeTestCase):
+    """What a third hostile review broke (the timeline and the bridges' options), each pinned where it was fixed."""
+
+    async def drawn(self, timeline, fixtures, model=fake_model, **options):
+        return await run_agent(timeline.model(model), fixtures=timeline.tools(fixtures), on_event=timeline.event,
+                               **{"limits": ROOMY, **options})
+
+    async def test_a_tool_that_edits_its_own_call_changes_nothing_under_a_timeline(self):
+        for edit in ("delete", "rename"):
+            class Editing(Fixtures):
+                async def invoke(self, call):
+                    data = await super().invoke(call)
+                    if edit == "delete":
+                        del call["call_id"]
+                    else:
+                        call["call_id"] = "elsewhere"
+                    return data
+
+            with self.subTest(edit=edit):
+                timeline = agent_loop.Timeline()
+                result = await self.drawn(timeline, Editing(delays={}))
+                self.assertEqual(result["status"], "completed")
+                self.assertIn("r1-north", timeline.text(result))
+
+    async def test_a_run_the_timeline_did_not_record_whole_is_a_value_error(self):
+        both_fail = {"failures": {"north": ["bug"], "south": ["bug"]}, "delays": {}}
+        unwrapped_tools = agent_loop.Timeline()
+        result = await run_agent(unwrapped_tools.model(fake_model), fixtures=Fixtures(**both_fail),
+                                 on_event=unwrapped_tools.event, limits=ROOMY)
+        no_events = agent_loop.Timeline()
+        result_without_events = await run_agent(no_events.model(fake_model), fixtures=no_events.tools(Fixtures()),
+                                                limits=ROOMY)
+        twice = agent_loop.Timeline()
+        for _ in range(2):
+            second = await run_agent(fake_model, fixtures=twice.tools(Fixtures(delays={})), on_event=twice.event,
+                                     limits=ROOMY)
+        for timeline, run, says in ((unwrapped_tools, result, "calls ran that were not recorded"),
+                                    (no_events, result_without_events, "did not see this run's events"),
+                                    (twice, second, "did not see this run's events")):
+            with self.subTest(says=says), self.assertRaises(ValueError) as raised:
+                timeline.text(run)
+            self.assertIn(says, str(raised.exception))
+
+    async def test_a_round_paid_but_stopped_before_its_model_was_asked_still_draws(self):
+        copy_of = agent_loop._copy
+
+        def slow_second_view(value):  # the deadline passes while round 2's history is copied
+            if type(value) is list and len(value) == 1:
+                time.sleep(1.5)
+            return copy_of(value)
+
+        self.allowBlockingSteps()
+        timeline = agent_loop.Timeline()
+        with unittest.mock.patch.object(agent_loop, "_copy", slow_second_view):
+            result = await self.drawn(timeline, Fixtures(delays={}), limits=Limits(5, 5, 30, 2, 5, 5, 1.0))
+        self.assertEqual((result["status"], result["used"]["rounds"], len(timeline.decisions)), ("deadline", 2, 1))
+        self.assertIn("deadline", timeline.text(result))
+
+    async def test_a_tools_own_timeout_marks_nothing_and_a_cut_one_marks_its_limit(self):
+        class OwnTimeout(Fixtures):
+            async def invoke(self, call):
+                await super().invoke(call)
+                raise TimeoutError()
+
+        timeline = agent_loop.Timeline()
+        result = await self.drawn(timeline, OwnTimeout(delays={}), limits=dataclasses.replace(ROOMY, rounds=1))
+        self.assertEqual(errors(result), ["tool_timeout", "tool_timeout"])
+        self.assertEqual(timeline.cut, set())
+        self.assertNotIn("^", timeline.text(result))
+        timeline = agent_loop.Timeline()
+        result = await self.drawn(timeline, Fixtures(delays={"north": 30, "south": 0}),
+                                  limits=Limits(rounds=1, tool_seconds=0.1, model_seconds=5, total_seconds=30))
+        self.assertEqual((errors(result), timeline.cut), (["tool_timeout"], {"r1-north"}))
+        self.assertIn("^ tool_seconds", timeline.text(result))
+
+    async def test_the_timelines_wrappers_refuse_what_run_agent_refuses(self):
+        class Model:
+            async def __call__(self, history):
+                return await fake_model(history)
+
+        timeline = agent_loop.Timeline()
+        for wrap, thing, message in ((timeline.model, Model, "model must be an async function of history"),
+                                     (timeline.model, None, "model must be an async function of history"),
+                                     (timeline.tools, object(), "fixtures must be an object with an async invoke(call) method"),
+                                     (timeline.tools, Fixtures, "fixtures must be an object with an async invoke(call) method"),
+                                     (timeline.watching, dict, "on_event must be a function or None")):
+            with self.subTest(thing=thing), self.assertRaises(ValueError) as raised:
+                wrap(thing)
+            self.assertEqual(str(raised.exception), message)
+
+    async def test_watching_hands_each_event_to_an_async_watcher_too(self):
+        seen = []
+
+        async def watcher(event):
+            await asyncio.sleep(0)
+            seen.append(event)
+
+        timeline = agent_loop.Timeline()
+        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures(delays={})),
+                                 on_event=timeline.watching(watcher), limits=ROOMY)
+        self.assertEqual(seen, result["trace"])
+        timeline.text(result)
+
+    async def test_a_bridge_refuses_options_it_would_replace_and_takes_opening_turns_as_task(self):
+        for bridge, key in ((agent_loop.responses_model, "input"), (agent_loop.chat_model, "messages")):
+            for own in (key, "tools"):
+                with self.subTest(bridge=bridge.__name__, option=own), self.assertRaises(ValueError) as raised:
+                    bridge(lambda **request: None, "the task", **{own: []})
+                self.assertTrue(str(raised.exception).startswith(f"{own}: the bridge builds it"))
+        requests = []
+
+        async def create(**request):
+            requests.append(request)
+            return {"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": "done"}}]}
+
+        opening = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the task"}]
+        model = agent_loop.chat_model(create, opening, registry=CONVERSION_TOOLS, model="m")
+        result = await run_agent(model, registry=CONVERSION_TOOLS, fixtures=FunctionTools(RateDesk().functions()),
+                                 accept=lambda answer, history: answer == "done", limits=ROOMY)
+        self.assertEqual((result["status"], requests[0]["messages"]), ("completed", opening))
+        opening.append({"role": "user", "content": "changed later"})
+        await model([])
+        self.assertEqual(len(requests[-1]["messages"]), 2)  # the bridge keeps its own copy of the turns
+        for task in ("", [], [{"role": "user", "content": float("nan")}], ["text"], None):
+            with self.subTest(task=task), self.assertRaises(ValueError):
+                agent_loop.chat_model(create, task)
 
 
 class OwnershipTests(unittest.IsolatedAsyncioTestCase):
