@@ -1441,6 +1441,7 @@ async def run_scenario(name, on_event=None, timeline=None):
     limits = replace(Limits(), **how.get("limits", {}))
     model, tools = how.get("model", fake_model), fixtures
     if timeline is not None:
+        timeline.limits = timeline.limits or limits
         model, tools, on_event = timeline.model(model), timeline.tools(fixtures), timeline.watching(on_event)
     result = await run_agent(model, limits=limits, fixtures=tools, cancel=cancel, registry=registry,
                              on_event=on_event)
@@ -2002,7 +2003,8 @@ class Timeline:
     """A recorder that draws a run: when each decision was asked and answered, when each call started and
     ended, with its outcome, and the limits that acted, on the event loop's clock. One Timeline per run."""
 
-    def __init__(self):
+    def __init__(self, limits=None):
+        self.limits = limits  # the run's Limits, if known: tells a cut by a call's own limit from one by the deadline
         self.decisions = []   # (asked, answered) of each decision, in order: one per round
         self.calls = {}       # call_id -> (started, ended)
         self.cut = set()      # call ids, and ("model", round), that the runtime's wait ended, not they themselves
@@ -2093,12 +2095,17 @@ class Timeline:
         for number, lanes in rounds.items():
             for name, tool, began, ended, outcome in lanes:
                 limit = None
-                cut = (("model", number) if tool == "decision" else name) in self.cut
-                if outcome in ("tool_timeout", "model_timeout") and cut:  # uncut, it raised TimeoutError itself
-                    if status == "deadline" and stopped - ended <= max(0.002, span / 50):
-                        limit = "deadline"  # cut with the run, at its end
-                    else:
-                        limit = "model_seconds" if tool == "decision" else "tool_seconds"
+                if outcome in ("tool_timeout", "model_timeout") and ended is not None:
+                    cut = (("model", number) if tool == "decision" else name) in self.cut
+                    own = getattr(self.limits, "model_seconds" if tool == "decision" else "tool_seconds", None)
+                    # Uncut, it raised TimeoutError itself, or it held the loop past its limit (then it acted).
+                    if cut or own is not None and ended - began >= own:
+                        at_the_end = stopped - ended <= max(0.002, span / 50)
+                        short = own is not None and ended - began < own * 0.95  # the time left was shorter
+                        if status == "deadline" and (at_the_end or short):
+                            limit = "deadline"
+                        else:
+                            limit = "model_seconds" if tool == "decision" else "tool_seconds"
                 elif outcome == "cancelled" and ended is not None:
                     limit = "cancel"
                 if limit:
@@ -2204,7 +2211,7 @@ async def drawn_demo(text=True, svg=None):
     """The demo, each run printed as the demo prints it, then drawn: on the terminal, or into an SVG file."""
     drawings = []
     for title, make_fixtures in DEMO_RUNS:
-        fixtures, timeline = make_fixtures(), Timeline()
+        fixtures, timeline = make_fixtures(), Timeline(Limits())
         result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(fixtures), on_event=timeline.event)
         show_run(title, result, fixtures)
         drawings.append((title, timeline, result))

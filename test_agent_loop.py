@@ -3429,7 +3429,7 @@ class TimelineTests(RuntimeTestCase):
         # A serial batch: north is cut by tool_seconds, south then by the run's deadline.
         registry = {**TOOLS, "read_partition": dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)}
         limits = Limits(tool_seconds=0.2, model_seconds=5, total_seconds=0.35)
-        timeline = agent_loop.Timeline()
+        timeline = agent_loop.Timeline(limits)
         result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures(delays={"north": 30,
                                  "south": 30})), registry=registry, on_event=timeline.event, limits=limits)
         marks = [line.strip() for line in timeline.text(result).splitlines() if line.strip().startswith("^")]
@@ -4700,6 +4700,20 @@ class ThirdWholeReadmeReviewTests(RuntimeTestCase):
                                   limits=Limits(rounds=1, tool_seconds=0.1, model_seconds=5, total_seconds=30))
         self.assertEqual((errors(result), timeline.cut), (["tool_timeout"], {"r1-north"}))
         self.assertIn("^ tool_seconds", timeline.text(result))
+
+    async def test_a_call_the_deadline_cut_is_marked_deadline_even_when_the_run_stopped_later(self):
+        def slow_watcher(event):  # holds the loop after the batch: the stop comes well after the cut
+            if event["event"] == "observations":
+                time.sleep(0.3)
+
+        self.allowBlockingSteps()
+        limits = Limits(tool_seconds=5, model_seconds=5, total_seconds=0.3)
+        timeline = agent_loop.Timeline(limits)
+        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures(delays={"north": 30,
+                                 "south": 30})), on_event=timeline.watching(slow_watcher), limits=limits)
+        marks = [line.strip() for line in timeline.text(result).splitlines() if line.strip().startswith("^")]
+        self.assertEqual((result["status"], errors(result), marks),
+                         ("deadline", ["tool_timeout", "tool_timeout"], ["^ deadline"]))
 
     async def test_the_timelines_wrappers_refuse_what_run_agent_refuses(self):
         class Model:
