@@ -828,6 +828,12 @@ def _callable_object(thing, method=None):
     return callable(thing if method is None else getattr(thing, method, None))
 
 
+def _a_function(thing):
+    """True if thing can be called as a model or a watcher is: not a class, and not an async generator function,
+    which only makes a generator, never a decision or an awaited result."""
+    return _callable_object(thing) and not inspect.isasyncgenfunction(thing)
+
+
 def _plain_function(function):
     """True if function can serve as a plain check: callable, not a class, and not async as far as inspect can tell."""
     return _callable_object(function) and _is_async(function) is False
@@ -913,7 +919,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
     _check_limits(limits)
     cancel = asyncio.Event() if cancel is None else cancel
     _check_cancel(cancel, loop)
-    if not _callable_object(model) or inspect.isasyncgenfunction(model):
+    if not _a_function(model):
         raise ValueError("model must be an async function of history")
     own_registry = registry is not None
     registry = _checked_registry(TOOLS if registry is None else registry)
@@ -922,7 +928,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
         raise ValueError("accept must be a plain function")
     if on_refused not in ("stop", "observe"):
         raise ValueError("on_refused must be 'stop' or 'observe'")
-    if on_event is not None and (not _callable_object(on_event) or inspect.isasyncgenfunction(on_event)):
+    if on_event is not None and not _a_function(on_event):
         raise ValueError("on_event must be a function or None")
 
     deadline = loop.time() + limits.total_seconds
@@ -2016,7 +2022,7 @@ class Timeline:
 
     def model(self, model):
         """The model, wrapped so that each decision's asking and answering are recorded; nothing else changes."""
-        if not _callable_object(model) or inspect.isasyncgenfunction(model):
+        if not _a_function(model):
             raise ValueError("model must be an async function of history")
 
         async def timed(history):
@@ -2043,7 +2049,7 @@ class Timeline:
 
     def watching(self, on_event=None):
         """An on_event that records each event, then hands it to on_event too (plain or async), if given."""
-        if on_event is not None and (not _callable_object(on_event) or inspect.isasyncgenfunction(on_event)):
+        if on_event is not None and not _a_function(on_event):
             raise ValueError("on_event must be a function or None")
 
         async def both(event):
