@@ -5,11 +5,14 @@
 
 import asyncio
 import contextlib
+import contextvars
+import collections
 import copy
 import dataclasses
 import functools
 import gc
 import http.server
+import inspect
 import io
 import logging
 import json
@@ -23,15 +26,20 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
+import unicodedata
 import unittest
 import unittest.mock
 import warnings
+import weakref
 import xml.etree.ElementTree
 
+# Only the core's names (PART 1-5) are imported: a later part's name is read as agent_loop.<name> inside the test
+# that uses it, so this module imports, and the core's classes run, against agent_loop.py cut above PART 6.
 from agent_loop import (
-    DATA, MODEL_COST, NOTE, SNAPSHOT, STOP_STATUSES, TOOLS, Fixtures, FunctionTools, Limits, Stop, TemporaryError,
+    DATA, MODEL_COST, NOTE, SNAPSHOT, STOP_STATUSES, TOOLS, Fixtures, Limits, Stop, TemporaryError,
     ToolSpec, accepted, bounded, call, canonical, fake_model, make_plan, preflight, run_agent,
     scripted, valid_args, valid_rows,
 )
@@ -40,6 +48,15 @@ import result_ownership
 import verify_ownership
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+# The classes of the article's runtime, PART 1-5, in order: they use no name of a later part.
+CORE_TESTS = (
+    "SnapshotTests", "SchemaTests", "JsonSchemaSuiteTests", "SchemaEqualityTests", "PatternTests", "PlainDataTests",
+    "FixtureTests", "BoundedTests", "PreflightTests",
+    "AcceptedTests", "RunAgentTests", "BudgetTests", "TimeLimitTests", "CancelTests", "StopReasonTests",
+    "WatcherTests", "MisuseTests", "HostileInputTests", "InvariantTests", "CommandLineTests",
+)
+
 
 # IsolatedAsyncioTestCase runs its loop in debug mode, which logs every step that takes longer than 0.1 s. On a
 # busy machine that is a report about the machine, not about the runtime: keep a green run's output clean.
@@ -65,9 +82,6 @@ ALL_ROWS = [
     {"sku": "BAG", "stock": 2, "target": 5, "unit_cents": 2500},
     {"sku": "BOOK", "stock": 0, "target": 4, "unit_cents": 1800},
 ]
-
-
-WHY_FIELDS = ("call_id", "name", "reason", "error_type", "rejected")  # what a failed run's stop event may say
 
 
 def never_accept(answer, history):
@@ -109,7 +123,48 @@ async def wait_until(condition, seconds=10):
         await asyncio.sleep(0.001)
 
 
+def readme():
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as file:
+        return file.read()
+
+
+def readme_section(title):
+    """The README's section of that title, to the next heading of its level or higher."""
+    text = readme()
+    heading = re.search(rf"^(#+) {re.escape(title)}$", text, re.M)
+    end = re.compile(rf"^#{{1,{len(heading[1])}}} ", re.M).search(text, heading.end())
+    return text[heading.start():end.start() if end else len(text)]
+
+
+def code_blocks(text, language):
+    return re.findall(rf"```{language}\n(.*?)```", text, re.S)
+
+
+class PlainTools:
+    """Tools of your own at their smallest: invoke(call) returns functions[name](**arguments), awaited if that is
+    awaitable. The core's tests use it where FunctionTools (PART 6) would only be a convenience."""
+
+    def __init__(self, functions):
+        self.functions = functions
+
+    async def invoke(self, call):
+        result = self.functions[call["name"]](**call["arguments"])
+        return await result if inspect.isawaitable(result) else result
+
+
+def any_answer(answer, history):
+    """A final check for runs that are about their tools, not their answer."""
+    return True
+
+
+def retrying():
+    """The demo's retry run: north fails once and is read again a round later; four rounds in all."""
+    return Fixtures(failures={"north": ["temporary"]})
+
+
 class RuntimeTestCase(unittest.IsolatedAsyncioTestCase):
+    """The checks the runtime's tests share."""
+
     def assertNoTaskLeft(self):
         self.assertEqual(asyncio.all_tasks(), {asyncio.current_task()})
 
@@ -127,10 +182,54 @@ class RuntimeTestCase(unittest.IsolatedAsyncioTestCase):
         """For a test that blocks the loop on purpose: asyncio's debug mode would log every slow step."""
         asyncio.get_running_loop().slow_callback_duration = 60
 
+    async def assertFaultOfModelAndTool(self, make_exception):
+        """What the model raises is model_exception; what a tool raises, in a parallel batch, tool_exception."""
+        async def model(history):
+            raise make_exception()
 
-# PART 1
+        class Raises(Fixtures):
+            async def invoke(self, call):
+                await super().invoke(call)
+                raise make_exception()
 
-class SchemaTests(unittest.TestCase):
+        self.assertEqual((await run_agent(model, limits=ROOMY))["status"], "model_exception")
+        result = await run_agent(fixtures=Raises(delays={}), limits=ROOMY)
+        self.assertEqual((result["status"], errors(result)), ("tool_exception", ["tool_exception"] * 2))
+        self.assertNoPrivateText(result)
+
+
+# PART 1: the read-only snapshot, strict schemas, the plan, the tool registry, limits and errors, plain data
+
+def dict_subclass(value):
+    class Row(dict):
+        pass
+    return Row(value)
+
+
+AMOUNT_SCHEMA = {"type": "integer", "minimum": 0, "maximum": 100000}
+# The inventory tools as the model is offered them, written out here rather than read from the module.
+INVENTORY_DECLARATIONS = {
+    "read_partition": {
+        "description": "Read one inventory partition: each row's sku, stock, target and unit price in cents.",
+        "parameters": {"type": "object", "properties": {"partition": {"type": "string", "enum": ["north", "south"]}},
+                       "required": ["partition"], "additionalProperties": False},
+    },
+    "compute_plan": {
+        "description": "Compute the restock plan (target minus stock, in integer cents) for 1 to 4 rows.",
+        "parameters": {"type": "object", "properties": {"rows": {
+            "type": "array", "minItems": 1, "maxItems": 4, "items": {
+                "type": "object",
+                "properties": {"sku": {"type": "string", "enum": ["CUP", "PEN", "BAG", "BOOK"]},
+                               "stock": AMOUNT_SCHEMA, "target": AMOUNT_SCHEMA, "unit_cents": AMOUNT_SCHEMA},
+                "required": ["sku", "stock", "target", "unit_cents"], "additionalProperties": False}}},
+            "required": ["rows"], "additionalProperties": False},
+    },
+}
+
+
+class SnapshotTests(unittest.TestCase):
+    """PART 1: the snapshot, canonical, valid_rows and valid_args, make_plan, the tool registry and the limits."""
+
     def test_snapshot_data_and_note_are_the_articles(self):
         self.assertEqual(SNAPSHOT, "inventory-v1")
         self.assertEqual(DATA, {"north": ALL_ROWS[:2], "south": ALL_ROWS[2:]})
@@ -202,16 +301,457 @@ class SchemaTests(unittest.TestCase):
         with self.assertRaises(dataclasses.FrozenInstanceError):  # a registry entry cannot be changed in place
             TOOLS["read_partition"].cost = 0
 
+    def test_toolspec_keeps_its_three_field_form(self):
+        spec = ToolSpec(2, True, True)
+        self.assertEqual((spec.validate, spec.description, spec.parameters), (None, "", None))
+        self.assertEqual(dataclasses.replace(spec, parallel_safe=False), ToolSpec(2, True, False, None))
 
-def dict_subclass(value):
-    class Row(dict):
-        pass
-    return Row(value)
+    def test_the_inventory_tools_declare_what_the_model_is_offered(self):
+        self.assertEqual({name: {"description": spec.description, "parameters": spec.parameters} for name, spec in TOOLS.items()},
+                         INVENTORY_DECLARATIONS)
 
 
-# PART 2
+def schema(**keywords):
+    return {"type": "object", **keywords}
+
+
+def schema_error(schema, value):
+    """Why value does not match schema, or None: the check preflight runs, prepared from schema."""
+    return agent_loop._compile(schema)(value)
+
+
+class SchemaTests(RuntimeTestCase):
+    """PART 1: a tool's parameters as JSON Schema, checked with the module's exact types; what it cannot honour is refused."""
+
+    def test_each_supported_keyword_admits_and_refuses_with_its_reason(self):
+        rows = {"type": "array", "items": schema(properties={"stock": {"type": "integer"}}), "maxItems": 2}
+        cases = [  # (schema, value, reason or None)
+            ({"type": "integer"}, 3, None), ({"type": "integer"}, True, "arguments: expected integer"),
+            ({"type": "integer"}, 3.0, "arguments: expected integer"), ({"type": "number"}, 3.5, None),
+            ({"type": "number"}, 3, None), ({"type": "number"}, False, "arguments: expected number"),
+            ({"type": "boolean"}, 0, "arguments: expected boolean"), ({"type": "null"}, None, None),
+            ({"type": ["string", "null"]}, None, None), ({"type": ["string", "null"]}, 1, "arguments: expected string or null"),
+            ({"type": "object"}, [], "arguments: expected object"), ({"type": "array"}, {}, "arguments: expected array"),
+            ({"enum": [1, "a"]}, 1, None), ({"enum": [1, "a"]}, True, "arguments: not one of the allowed values"),
+            ({"enum": [4]}, 4.0, None), ({"enum": [4]}, True, "arguments: not one of the allowed values"),  # JSON's equality
+            ({"const": "x"}, "x", None), ({"const": False}, 0, "arguments: not the allowed value"),
+            ({"anyOf": [{"type": "integer"}, {"type": "null"}]}, None, None),
+            ({"anyOf": [{"type": "integer"}, {"type": "null"}]}, "1", "arguments: matches none of anyOf"),
+            ({"minimum": 0}, -1, "arguments: at least 0"), ({"maximum": 9}, 10, "arguments: at most 9"),
+            ({"exclusiveMinimum": 0}, 0, "arguments: more than 0"), ({"exclusiveMaximum": 1.5}, 1.5, "arguments: less than 1.5"),
+            ({"minimum": 0}, "text", None),  # a bound applies to numbers only, as JSON Schema says
+            ({"minLength": 2}, "é", "arguments: at least 2 characters"), ({"maxLength": 2}, "abc", "arguments: at most 2 characters"),
+            ({"pattern": "^[A-Z]{3}$"}, "EUR", None), ({"pattern": "^[A-Z]{3}$"}, "EURO", "arguments: does not match the pattern"),
+            # As JSON Schema's ECMA-262 reads them: $ only at the very end, . no line break.
+            ({"pattern": "^[a-z_]+$"}, "report\n", "arguments: does not match the pattern"),
+            ({"pattern": "^a.b$"}, "a\rb", "arguments: does not match the pattern"), ({"pattern": "^a[.]b$"}, "a.b", None),
+            ({"minItems": 1}, [], "arguments: at least 1 items"), ({"maxItems": 1}, [1, 2], "arguments: at most 1 items"),
+            (schema(required=["a"]), {}, "arguments: missing a"),
+            (schema(properties={"a": {"type": "string"}}), {"a": 1}, "a: expected string"),
+            (schema(properties={}, additionalProperties=False), {"b": 1}, "arguments: unexpected property"),
+            (schema(additionalProperties={"type": "integer"}), {"b": "1"}, "*: expected integer"),
+            (schema(properties={"scores": schema(additionalProperties={"type": "integer"})}), {"scores": {"ann": 1.5}},
+             "scores.*: expected integer"),
+            (schema(properties={"rows": rows}), {"rows": [{"stock": 1}, {"stock": True}]}, "rows[1].stock: expected integer"),
+            (schema(properties={"rows": rows}), {"rows": [{}, {}, {}]}, "rows: at most 2 items"),
+            # A reason names only what the schema names, never a key the model made up.
+            (schema(properties={"a": schema(additionalProperties=False)}), {"a": {"ignore_the_task": 1}},
+             "a: unexpected property"),
+            ({"pattern": "^[a-z]+$"}, "abc", None), ({"pattern": "^\\d+$"}, "\u0662\u0660", "arguments: does not match the pattern"),
+            ({"type": "string", "format": "email", "title": "T", "description": "D", "default": "x", "examples": ["x"]},
+             "not an email", None),  # annotations are ignored
+        ]
+        for rule, value, reason in cases:
+            with self.subTest(rule=rule, value=value):
+                self.assertEqual(schema_error(rule, value), reason)
+
+    async def test_a_schema_the_check_cannot_honour_is_refused_when_the_run_starts(self):
+        cases = [  # (parameters, message)
+            (schema(properties={"a": {"$ref": "#/$defs/A"}}), "tool: parameters.properties.a: unsupported keyword $ref"),
+            (schema(oneOf=[{"type": "object"}]), "tool: parameters: unsupported keyword oneOf"),
+            (schema(properties={"a": {"type": "array", "uniqueItems": True}}),
+             "tool: parameters.properties.a: unsupported keyword uniqueItems"),
+            (schema(patternProperties={}), "tool: parameters: unsupported keyword patternProperties"),
+            (schema(properties={"a": {"type": "array", "minItems": "1"}}), "tool: parameters.properties.a.minItems: must be an int >= 0"),
+            (schema(properties={"a": {"type": "text"}}), "tool: parameters.properties.a.type: must be JSON type names"),
+            (schema(properties={"a": {"type": 5}}), "tool: parameters.properties.a.type: must be JSON type names"),
+            (schema(properties={"a": {"type": []}}), "tool: parameters.properties.a.type: must be JSON type names"),
+            (schema(properties={"a": {"anyOf": [{"not": {}}]}}), "tool: parameters.properties.a.anyOf[0]: unsupported keyword not"),
+            (schema(additionalProperties={"$defs": {}}), "tool: parameters.additionalProperties: unsupported keyword $defs"),
+            (schema(properties={"a": {"pattern": "("}}), "tool: parameters.properties.a.pattern: must be a regular expression"),
+            (schema(required="a"), "tool: parameters.required: must be a list of names"),
+            (schema(properties={"a": {"maximum": "9"}}), "tool: parameters.properties.a.maximum: must be a number"),
+            ({"type": "array"}, "tool: parameters must be a JSON Schema of type object, in plain JSON data"),
+            (schema(default=float("nan")), "tool: parameters must be a JSON Schema of type object, in plain JSON data"),
+        ]
+        for parameters, message in cases:
+            with self.subTest(message=message):
+                registry = {"tool": ToolSpec(1, True, True, parameters=parameters)}
+                asked = []
+                with self.assertRaises(ValueError) as raised:
+                    await run_agent(scripted(asked.append), fixtures=PlainTools({"tool": dict}), registry=registry, accept=never_accept)
+                self.assertEqual((str(raised.exception), asked), (message, []))
+
+    async def test_a_schema_edited_while_the_run_goes_on_changes_nothing_it_checks(self):
+        parameters = schema(properties={"n": {"type": "integer"}}, required=["n"])
+        registry = {"f": ToolSpec(1, True, True, parameters=parameters)}
+
+        def edits_the_schema(n):
+            parameters["properties"]["n"]["type"] = "no such type"
+            return {"n": n}
+
+        model = scripted(calls(call("a", "f", n=1)), calls(call("b", "f", n=2)), calls(call("c", "f", n="3")))
+        result = await run_agent(model, fixtures=PlainTools({"f": edits_the_schema}), registry=registry, limits=ROOMY, accept=never_accept)
+        self.assertEqual((result["status"], result["used"]["calls"]), ("invalid_arguments", 2))
+
+    async def test_the_articles_three_field_registry_keeps_valid_args(self):
+        registry = {"read_partition": ToolSpec(2, True, True), "compute_plan": ToolSpec(4, True, False)}
+        self.assertEqual((await run_agent(registry=registry, limits=ROOMY))["status"], "completed")
+        twice = {"rows": [ALL_ROWS[0], {**ALL_ROWS[0], "stock": 5}]}
+        result = await run_agent(scripted(calls(call("p", "compute_plan", **twice))), registry=registry, limits=ROOMY)
+        self.assertEqual(result["status"], "invalid_arguments")
+
+    def test_the_schema_check_agrees_with_valid_args_on_ordinary_cases(self):
+        cases = [("read_partition", {"partition": "north"}), ("read_partition", {"partition": "east"}),
+                 ("read_partition", {"partition": "north", "x": 1}), ("compute_plan", {"rows": ALL_ROWS}),
+                 ("compute_plan", {"rows": []}), ("compute_plan", {"rows": [{**ALL_ROWS[0], "stock": -1}]}),
+                 ("compute_plan", {"rows": [{**ALL_ROWS[0], "stock": True}]}),
+                 ("compute_plan", {"rows": [{**ALL_ROWS[0], "stock": 100001}]}), ("compute_plan", {"rows": ALL_ROWS + ALL_ROWS[:1]})]
+        for name, args in cases:
+            with self.subTest(name=name, args=args):
+                self.assertEqual(schema_error(TOOLS[name].parameters, args) is None, valid_args(name, args))
+
+    async def test_valid_args_stays_the_authority_where_the_schema_cannot_speak(self):
+        twice = {"rows": [ALL_ROWS[0], {**ALL_ROWS[0], "stock": 5}]}  # CUP twice, rows not identical
+        self.assertIsNone(schema_error(TOOLS["compute_plan"].parameters, twice))
+        self.assertFalse(valid_args("compute_plan", twice))
+        fixtures = Fixtures()
+        result = await run_agent(scripted(calls(call("p", "compute_plan", **twice))), fixtures=fixtures, limits=ROOMY)
+        self.assertEqual((result["status"], fixtures.started), ("invalid_arguments", []))
+
+
+    def test_a_boolean_schema_stands_wherever_a_schema_may(self):
+        cases = [  # (schema, value, reason or None)
+            (True, {"a": 1}, None), (False, {}, "arguments: not allowed"),
+            (schema(properties={"a": True, "b": False}), {"a": [1]}, None),
+            (schema(properties={"a": True, "b": False}), {"b": 1}, "b: not allowed"),
+            ({"items": False}, [], None), ({"items": False}, [1], "[0]: not allowed"),
+            (schema(properties={"rows": {"items": True}}), {"rows": [1, "x"]}, None),
+            ({"anyOf": [False, True]}, 1, None), ({"anyOf": [False, False]}, 1, "arguments: matches none of anyOf"),
+            (schema(additionalProperties=True), {"z": 1}, None),
+            (schema(properties={"a": {}}, additionalProperties=False), {"a": 1, "z": 1},
+             "arguments: unexpected property"),
+        ]
+        for rule, value, reason in cases:
+            with self.subTest(rule=rule, value=value):
+                self.assertEqual(agent_loop._compile(rule)(value), reason)
+
+
+    def test_a_schema_edited_after_it_was_prepared_changes_nothing_it_checks(self):
+        rule = schema(properties={"n": {"type": ["integer"], "maxLength": 1, "enum": [1]}}, required=["n"])
+        check = agent_loop._compile(rule)
+        rule["required"].append("m")
+        rule["properties"]["n"]["type"].append("string")
+        rule["properties"]["n"].update(maxLength=0, enum=["x"])
+        self.assertEqual((check({"n": 1}), check({"n": "x"})), (None, "n: expected integer"))
+
+
+
+SCHEMA_SUITE = os.path.join(HERE, "schema_suite", "tests", "draft2020-12")
+SCHEMA_SUITE_FILES = [
+    *(f"{keyword}.json" for keyword in (
+        "type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf", "minItems",
+        "maxItems", "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "pattern")),
+    "optional/ecmascript-regex.json", "optional/non-bmp-regex.json",
+]
+# Where the module means otherwise than JSON Schema, on purpose: (file, case, test) and why.
+SCHEMA_DIFFERENCES = {
+    ("type.json", "integer type matches integers", "a float with zero fractional part is an integer"):
+        "the module's types are exact: an integer is an int, and 1.0 is a float",
+}
+REFUSED_PATTERN = "parameters.properties.code.pattern: must be a regular expression"
+# Valid ECMA that the check refuses: named groups, back references, lookbehind, \c, \u{...}, surrogate pairs, [] and
+# [^]. Each is outside the subset of ECMA-262 that Python's re reads alike, which is all that pattern takes.
+OUTSIDE_THE_SUBSET = ['(?<!a)b', '(?<=a)b', '[]', '^(?:(a)|b)\\1$', '^(?<$x_1>a)\\k<$x_1>$', '^(?<x>a|b)\\k<x>$', '^(a)(b)\\2\\1$', '^(a)?b\\1$', '^(a)\\1{2}$', '^(a|b)\\1$', '^[\\uD83D\\uDE00]$', '^[]$', '^[^]$', '^\\cJ\\cj$', '^\\uD83D\\uDE00$', '^\\u{1F600}$', '^\\x41\\u0042\\u{43}\\u{0000000044}$']
+
+
+def keywords_in(value):
+    """Every key of every object in value, at any depth."""
+    if type(value) is dict:
+        return set(value).union(*map(keywords_in, value.values()))
+    if type(value) is list:
+        return set().union(*map(keywords_in, value))
+    return set()
+
+
+def matches(pattern, text):
+    return schema_error({"pattern": pattern}, text) is None
+
+
+class JsonSchemaSuiteTests(unittest.TestCase):
+    """PART 1: the official JSON Schema Test Suite (draft 2020-12) for the supported keywords, vendored in schema_suite/."""
+
+    def test_every_case_agrees_with_the_suite_but_the_documented_differences(self):
+        totals = collections.Counter()
+        for name in SCHEMA_SUITE_FILES:
+            with open(os.path.join(SCHEMA_SUITE, name), encoding="utf-8") as file:
+                cases = json.load(file)
+            for case in cases:
+                # As a property, the way a tool's argument meets its schema.
+                wrapped = schema(properties={"v": case["schema"]}, required=["v"], additionalProperties=False)
+                try:
+                    check = agent_loop._compile(wrapped)
+                except ValueError as refused:  # it must name a keyword of the schema (patternProperties, $ref...)
+                    where, _, why = str(refused).partition(": ")  # "...v: unsupported keyword X", "...v.X: must be"
+                    named = why.split()[-1] if why.startswith("unsupported keyword") else where.split(".")[-1]
+                    keyword = named.split("[")[0]  # anyOf[0] is anyOf
+                    with self.subTest(name=name, case=case["description"]):
+                        self.assertIn(keyword, keywords_in(case["schema"]))
+                    totals["cases refused"] += 1
+                    continue
+                totals["cases accepted"] += 1
+                for test in case["tests"]:
+                    instance = {"v": test["data"]}
+                    if not agent_loop._is_data(instance):  # none is: every instance of these files is plain data, as pinned
+                        totals["instances skipped"] += 1
+                        continue
+                    agrees = (check(instance) is None) == test["valid"]
+                    documented = (name, case["description"], test["description"]) in SCHEMA_DIFFERENCES
+                    totals["instances documented as differing" if documented else "instances agreeing"] += 1
+                    with self.subTest(name=name, case=case["description"], test=test["description"]):
+                        self.assertEqual(agrees, not documented)
+        # Refused: schemas with keywords the check does not support, counts written as floats, an empty enum, and
+        # the patterns outside the subset of ECMA-262 that Python reads alike (\p{...}, \u{...}, surrogate pairs).
+        self.assertEqual(totals, {"cases accepted": 93, "cases refused": 27, "instances agreeing": 360,
+                                  "instances documented as differing": 1})
+
+
+
+class SchemaEqualityTests(unittest.TestCase):
+    """PART 1: enum and const compare as JSON Schema does: numbers by value, true never 1, strings exactly; and a schema
+    is prepared once, so checking a value costs its size times the schema's, never values times options."""
+
+    def test_numbers_equal_by_value_are_the_same_value(self):
+        cases = [  # (schema, value, admitted)
+            ({"const": 1}, 1.0, True), ({"enum": [0]}, 0.0, True), ({"enum": [0]}, -0.0, True),
+            ({"const": -0.0}, 0, True), ({"enum": [[1]]}, [1.0], True), ({"enum": [2.0]}, 2, True),
+            ({"const": {"a": 2}}, {"a": 2.0}, True), ({"const": [{"a": [3.0]}]}, [{"a": [3]}], True),
+            ({"enum": [1e300]}, 1e300, True), ({"enum": [1e300]}, 1e299, False), ({"const": 1.5}, 1.5, True),
+            ({"const": 9007199254740992}, 9007199254740992.0, True),
+            ({"const": 9007199254740992}, 9007199254740993, False),
+            ({"const": 1}, True, False), ({"enum": [0]}, False, False), ({"enum": [[1]]}, [True], False),
+            ({"const": True}, 1.0, False), ({"const": {"a": False}}, {"a": 0.0}, False), ({"const": 1}, 1.5, False),
+            ({"const": "1"}, 1, False), ({"enum": ["é"]}, "e\u0301", False), ({"const": None}, 0, False),
+        ]
+        for rule, value, admitted in cases:
+            with self.subTest(rule=rule, value=value):
+                self.assertEqual(agent_loop._compile(rule)(value) is None, admitted)
+
+
+    def test_an_enum_costs_one_key_per_option_and_then_one_per_value(self):
+        calls = collections.Counter()
+        keyed = agent_loop.canonical
+
+        def counting(value):
+            calls["keys"] += 1
+            return keyed(value)
+
+        options, values = [f"C{index:03}" for index in range(250)], [f"C{index % 250:03}" for index in range(5000)]
+        with unittest.mock.patch.object(agent_loop, "canonical", counting):
+            check = agent_loop._compile(schema(properties={"codes": {"items": {"enum": options}}, "code": {"const": "C001"}}))
+            prepared = calls["keys"]
+            self.assertIsNone(check({"codes": values, "code": "C001"}))
+        self.assertEqual((prepared, calls["keys"]), (250 + 1, 250 + 1 + 5000 + 1))
+
+
+class PatternTests(unittest.TestCase):
+    """PART 1: a pattern is ECMA-262 as new RegExp(p, "u") reads it, in the subset Python's re reads alike; the rest
+    is refused, naming the keyword."""
+
+    def test_ecma_white_space_is_what_backslash_s_matches_in_and_out_of_a_class(self):
+        spaces = "\t\n\v\f\r \u00a0\u1680\u2000\u2005\u200a\u2028\u2029\u202f\u205f\u3000\ufeff\u2003"
+        for char in spaces:
+            with self.subTest(char=hex(ord(char))):
+                self.assertEqual([matches(p, char) for p in ("^\\s$", "^\\S$", "^[\\s]$", "^[^\\s]$", "^[a\\s]$")],
+                                 [True, False, True, False, True])
+        for char in "a\u0085\u200b\u180e\u0001\u2013":  # not ECMA white space, though Python's \s takes \x85
+            with self.subTest(char=hex(ord(char))):
+                self.assertEqual([matches(p, char) for p in ("^\\s$", "^\\S$", "^[\\s]$", "^[^\\s]$")],
+                                 [False, True, False, True])
+
+    def test_each_construct_means_what_ecma_means(self):
+        cases = [  # (pattern, text, matches)
+            ("b", "abc", True), ("^b", "abc", False),  # not anchored, as JSON Schema says
+            ("^.$", "😀", True), ("^.$", "\n", False), ("^.$", "\r", False), ("^.$", "\u2028", False),
+            ("^.$", "\u2029", False), ("^.$", "\u0085", True),
+            ("^a$", "a\n", False), ("a$", "ba", True), ("^a", "\na", False),  # no multiline: start and very end
+            ("^(?:a|b)$", "b", True), ("^(a|bc)$", "bc", True), ("^(a|bc)$", "b", False),
+            ("a(?=b)", "ab", True), ("a(?=b)", "ac", False), ("a(?!b)", "ab", False), ("a(?!b)", "ac", True),
+            ("(?<=a)b", "ab", True), ("(?<=a)b", "cb", False), ("(?<!a)b", "ab", False), ("(?<!a)b", "cb", True),
+            ("^(?<x>a|b)\\k<x>$", "bb", True), ("^(?<x>a|b)\\k<x>$", "ab", False),
+            ("^(?<$x_1>a)\\k<$x_1>$", "aa", True),
+            ("^(a|b)\\1$", "aa", True), ("^(a|b)\\1$", "ab", False), ("^(a)(b)\\2\\1$", "abba", True),
+            ("^(?:(a)|b)\\1$", "b", True), ("^(a)?b\\1$", "b", True),  # a group that took no part matches empty
+            ("^(a)\\1{2}$", "aaa", True),
+            ("^a{2}$", "aa", True), ("^a{2}$", "aaa", False), ("^a{2,}$", "aaaa", True), ("^a{1,2}$", "aaa", False),
+            ("^a*$", "", True), ("^a+$", "", False), ("^a?$", "a", True), ("^a+?b$", "aab", True),
+            ("^a*?$", "aa", True), ("^a{1,2}?$", "aa", True), ("^(?:ab)+$", "abab", True),
+            ("^[a-c]$", "b", True), ("^[^a-c]$", "b", False), ("^[^a-c]$", "😀", True), ("^[a-]$", "-", True),
+            ("^[-a]$", "-", True), ("^[a-c-e]$", "-", True), ("^[a-c-e]$", "d", False), ("^[\\d-]$", "-", True),
+            ("^[]$", "a", False), ("[]", "", False), ("^[^]$", "\n", True), ("^[[]$", "[", True),
+            ("^[😀-😂]$", "😁", True),
+            ("^\\d$", "7", True), ("^\\d$", "\u0663", False), ("^\\D$", "\u0663", True), ("^\\w$", "_", True),
+            ("^\\w$", "é", False), ("^\\W$", "é", True), ("^[\\w]$", "é", False), ("^[^\\W]$", "Z", True),
+            ("\\bé", "é", False), ("a\\b", "a", True), ("a\\b", "ab", False), ("a\\B", "ab", True), ("\\B", "", True),
+            ("^\\t\\n\\v\\f\\r$", "\t\n\v\f\r", True), ("^\\0$", "\x00", True), ("^\\cJ\\cj$", "\n\n", True),
+            ("^\\x41\\u0042\\u{43}\\u{0000000044}$", "ABCD", True), ("^\\u{1F600}$", "😀", True),
+            ("^\\uD83D\\uDE00$", "😀", True), ("^[\\uD83D\\uDE00]$", "😀", True), ("^\\u00e9$", "é", True),
+            ("^\\^\\$\\\\\\.\\*\\+\\?\\(\\)\\[\\]\\{\\}\\|\\/$", "^$\\.*+?()[]{}|/", True), ("^/$", "/", True),
+            ("^[\\-]$", "-", True), ("^[\\b]$", "\b", True), ("^[\\]]$", "]", True), ("^[.]$", "a", False),
+            ("^[\\s\\d]+$", "1\u00a02", True), ("^#&~ $", "#&~ ", True), ("^é😀$", "é😀", True),
+        ]
+        for pattern, text, expected in cases:
+            with self.subTest(pattern=pattern, text=text):
+                if pattern in OUTSIDE_THE_SUBSET:
+                    with self.assertRaises(ValueError):
+                        schema_error({"pattern": pattern}, text)
+                else:
+                    self.assertEqual(matches(pattern, text), expected)
+
+    def test_what_ecma_refuses_or_python_cannot_mean_is_refused_naming_pattern(self):
+        ecma_refuses = [  # each a SyntaxError for new RegExp(p, "u") in node 20
+            "(?i)a", "(?m)^b", "(?x)a", "(?s).", "(?i:a)", "a{,2}", "\\A", "\\Z", "\\z", "(?P<n>a)", "(?P=n)", "(?#c)",
+            "a++", "a*+", "a?+", "a{2}+", "(?>a)", "[]a]", "]", "a]", "{", "}", "a{2", "a{2,1}", "a{x}", "\\q", "\\-",
+            "\\a", "\\e", "\\ ", "\\1", "(a)\\2", "\\k<n>", "\\k", "(?<n>a)\\k<m>", "(?=a)*", "(?!a)+", "(?<=a)?",
+            "(?<!a){2}", "^*", "$+", "\\b*", "\\B?", "*", "*a", "a|*", "(*)", "a**", "(", ")", "a)", "(a", "[", "[a",
+            "[a-", "[\\d-z]", "[a-\\w]", "[z-a]", "[\\B]", "[\\1]", "[\\k]", "\\00", "\\01", "\\c", "\\c1", "\\x4",
+            "\\xG0", "\\u12", "\\u{}", "\\u{110000}", "\\", "(?<1a>x)", "(?<>x)", "(?<a>x)(?<a>y)",
+        ]
+        outside = [  # valid ECMA, outside the subset both read alike: Unicode properties, lookbehind, references
+            "\\p{L}", "\\P{L}", "[\\p{L}]", "(?<=a+)b", "(a)+\\1", "(?:(a)|b)*\\1", "\\1(a)", "(a\\1)", "[\\S]",
+            *OUTSIDE_THE_SUBSET,
+        ]
+        for pattern in ecma_refuses + outside:
+            with self.subTest(pattern=pattern):
+                with self.assertRaises(ValueError) as raised:
+                    agent_loop._compile(schema(properties={"code": {"type": "string", "pattern": pattern}}))
+                self.assertEqual(str(raised.exception), REFUSED_PATTERN)
+
+
+
+def nested(levels):
+    """levels lists, each inside the next: nested(1) is [], nested(2) is [[]]."""
+    value = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+def unfolding(levels=5, width=1000):
+    """A few KB that unfold into width**levels paths: every level is one list, shared width times."""
+    value = []
+    for _ in range(levels):
+        value = [value] * width
+    return value
+
+
+class PlainDataTests(RuntimeTestCase):
+    """PART 1: what enters history is plain JSON data: at most 32 deep and 100,000 values, 64-bit integers, Unicode text."""
+
+    CASES = [  # (value, admitted)
+        (nested(32), True), (nested(33), False), ({"a": nested(31)}, True), ({"a": nested(32)}, False),
+        (2**63 - 1, True), (2**63, False), (-2**63, True), (-2**63 - 1, False), (2**64 - 1, False),
+        ([0] * 99_999, True), ([0] * 100_000, False),  # 100,000 values at most, the list itself included
+        ([[0] * 49_998, [0] * 49_999], True), ([[0] * 49_999, [0] * 49_999], False),
+        ([json.loads('"\\ud83d\\ude00"')], True), ([json.loads('"\\ud83d"')], False),  # a surrogate pair is text; half is not
+    ]
+
+    async def test_a_tools_result_within_the_limits_is_delivered_and_beyond_them_refused(self):
+        class Returns(Fixtures):
+            async def invoke(self, call):
+                await super().invoke(call)
+                return self.value
+
+        for value, admitted in self.CASES:
+            with self.subTest(value=repr(value)[:20], admitted=admitted):
+                fixtures = Returns(delays={})
+                fixtures.value = value
+                result = await run_agent(scripted(calls(call("a", partition="north"))), fixtures=fixtures,
+                                         limits=dataclasses.replace(ROOMY, rounds=1))
+                obs = observations(result)[0]
+                self.assertEqual((obs["ok"], obs.get("error")), (True, None) if admitted else (False, "tool_exception"))
+
+    async def test_arguments_within_the_limits_reach_your_check_and_beyond_them_are_refused(self):
+        registry = {"echo": ToolSpec(1, True, True, validate=lambda args: True)}
+        cases = [({"x": value}, "round_limit" if admitted else "invalid_arguments")
+                 for value, admitted in self.CASES[4:9]]  # the integers
+        cases += [({"x": nested(31)}, "round_limit"), ({"x": nested(32)}, "invalid_arguments")]  # the object is a level
+        # The batch as a whole holds at most 100,000 values as well: here the list, its object, the call, the list of
+        # calls, and 99,994 values inside.
+        cases += [({"x": [0] * 99_994}, "round_limit"), ({"x": [0] * 99_995}, "invalid_batch")]
+        two = [call("a", "echo", x=[0] * 50_000), call("b", "echo", x=[1] * 50_000)]  # each within, both beyond
+        for arguments, status in cases + [(two, "invalid_batch")]:
+            with self.subTest(arguments=repr(arguments)[:30], status=status):
+                batch = arguments if type(arguments) is list else [{"call_id": "e", "name": "echo", "arguments": arguments}]
+                result = await run_agent(scripted(calls(*batch)), fixtures=PlainTools({"echo": lambda **args: "ok"}),
+                                         registry=registry, limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
+                self.assertEqual(result["status"], status)
+
+    def test_the_copy_of_admitted_data_is_exact_and_shares_no_container(self):
+        def containers(value):
+            if type(value) in (dict, list):
+                yield value
+                for item in (value.values() if type(value) is dict else value):
+                    yield from containers(item)
+
+        rows = copy.deepcopy(ALL_ROWS)
+        data = [{"round": 1, "calls": [call("a", "compute_plan", rows=rows)], "atoms": [1.5, -0.0, None, True, "x", -2**63]},
+                {"shared": rows, "again": rows}]
+        copied = agent_loop._copy(data)
+        self.assertEqual(canonical(copied), canonical(data))  # equal, types included: a bool stays a bool
+        self.assertEqual(repr(copied[0]["atoms"]), repr(data[0]["atoms"]))  # -0.0 keeps its sign
+        self.assertFalse({id(c) for c in containers(data)} & {id(c) for c in containers(copied)})
+
+    async def test_shared_sub_lists_that_unfold_into_10_to_the_15_paths_are_refused_within_the_deadline(self):
+        class Unfolds(Fixtures):
+            async def invoke(self, call):
+                await super().invoke(call)
+                return unfolding()
+
+        loop = asyncio.get_running_loop()
+        limits = Limits(tool_seconds=5, model_seconds=5, total_seconds=0.5)
+        for how, model, fixtures, status in (
+                ("an answer", scripted(final(unfolding())), Fixtures(), "invalid_final"),
+                ("a tool's result", scripted(calls(call("a", partition="north"))), Unfolds(delays={}), "tool_exception")):
+            with self.subTest(how=how):
+                start = loop.time()
+                result = await run_agent(model, fixtures=fixtures, limits=limits, accept=lambda answer, history: True)
+                self.assertLess(loop.time() - start, 3)
+                self.assertEqual(result["status"], status)
+
+    async def test_half_a_surrogate_pair_anywhere_is_refused_at_entry(self):
+        half = json.loads('"\\ud800"')
+
+        class Returns(Fixtures):
+            async def invoke(self, call):
+                await super().invoke(call)
+                return {half: 1}
+
+        result = await run_agent(scripted(calls(call("a", partition="north"))), fixtures=Returns(delays={}),
+                                 limits=dataclasses.replace(ROOMY, rounds=1))
+        self.assertEqual(errors(result), ["tool_exception"])
+        result = await run_agent(scripted(final({half: 1})), accept=lambda answer, history: True, limits=ROOMY)
+        self.assertEqual(result["status"], "invalid_final")
+        result = await run_agent(scripted(calls(call(half, partition="north"))), limits=ROOMY)
+        self.assertEqual((result["status"], result["history"]), ("invalid_batch", []))
+        json.dumps(result, ensure_ascii=False).encode()  # whatever came in, the result can be sent on
+
+
+# PART 2: fixtures that simulate tool faults, bounded waiting, the call helper and the fake model
 
 class FixtureTests(RuntimeTestCase):
+    """PART 2: the fixtures record each call and consume their faults in order; the fake model reads, then plans."""
+
     async def test_fixtures_record_each_call_and_return_a_fresh_read(self):
         fixtures = Fixtures(delays={})
         result = await fixtures.invoke(call("a", partition="north"))
@@ -232,6 +772,17 @@ class FixtureTests(RuntimeTestCase):
         fixtures = Fixtures(delays={}, inject=True)
         self.assertEqual((await fixtures.invoke(call("a", partition="south")))["note"], NOTE)
         self.assertEqual(await fixtures.invoke(call("b", "compute_plan", rows=ALL_ROWS)), PLAN)
+
+    async def test_fake_model_reads_then_plans_with_the_rows_of_its_history(self):
+        self.assertEqual(await fake_model([]), calls(call("r1-north", partition="north"), call("r1-south", partition="south")))
+        history = (await run_agent(limits=dataclasses.replace(ROOMY, rounds=1)))["history"]
+        decision = await fake_model(history)
+        self.assertEqual(decision, calls(call("r2-plan", "compute_plan", rows=ALL_ROWS)))
+        self.assertIs(decision["calls"][0]["arguments"]["rows"][0], history[0]["observations"][0]["data"]["rows"][0])
+
+
+class BoundedTests(RuntimeTestCase):
+    """PART 2: bounded waits for one job, within a time and until a cancel, and always cancels and awaits it."""
 
     async def test_bounded_returns_the_result_and_reraises_the_job_error(self):
         cancel = asyncio.Event()
@@ -280,17 +831,100 @@ class FixtureTests(RuntimeTestCase):
             await bounded(finishes_and_cancels, 5, cancel)
         self.assertEqual(str(raised.exception), "cancelled")
 
-    async def test_fake_model_reads_then_plans_with_the_rows_of_its_history(self):
-        self.assertEqual(await fake_model([]), calls(call("r1-north", partition="north"), call("r1-south", partition="south")))
-        history = (await run_agent(limits=dataclasses.replace(ROOMY, rounds=1)))["history"]
-        decision = await fake_model(history)
-        self.assertEqual(decision, calls(call("r2-plan", "compute_plan", rows=ALL_ROWS)))
-        self.assertIs(decision["calls"][0]["arguments"]["rows"][0], history[0]["observations"][0]["data"]["rows"][0])
+    async def test_bounded_refuses_a_wait_it_cannot_bound(self):
+        async def never():
+            await asyncio.Event().wait()
+
+        for seconds in (float("nan"), float("inf"), -1, 0, True, "5", 10 ** 400):
+            with self.subTest(seconds=seconds), self.assertRaises(ValueError) as raised:
+                await bounded(never, seconds, asyncio.Event())
+            self.assertEqual(str(raised.exception), "seconds must be a finite number > 0")
+        self.assertNoTaskLeft()
 
 
-# PART 3
+# PART 3: preflight of a whole batch, and the independent final check
 
-class PreflightTests(unittest.TestCase):
+# Your own task through the unchanged runtime. Converting an amount between currencies:
+# look the rate up (async), convert with it (plain function, in a thread), answer with the result.
+
+CURRENCIES = ("EUR", "USD", "JPY")
+RATES = {("EUR", "USD"): 1_085_000, ("USD", "JPY"): 151_200_000}  # millionths of the quote per unit of the base
+AMOUNT = 12_345  # cents of EUR to convert
+
+
+CURRENCY = {"type": "string", "enum": list(CURRENCIES)}
+POSITIVE = {"type": "integer", "minimum": 1, "maximum": 10**12}
+# One declaration per tool serves preflight and every model bridge. validate adds what the schema cannot say.
+CONVERSION_TOOLS = {
+    "get_rate": ToolSpec(
+        1, True, True, validate=lambda args: args["base"] != args["quote"],
+        description="The exchange rate from one currency to another, in millionths.",
+        parameters={"type": "object", "properties": {"base": CURRENCY, "quote": CURRENCY},
+                    "required": ["base", "quote"], "additionalProperties": False}),
+    "convert": ToolSpec(
+        1, True, False, description="Convert an amount in cents with a rate in millionths.",
+        parameters={"type": "object", "properties": {"amount_cents": POSITIVE, "rate_micros": POSITIVE},
+                    "required": ["amount_cents", "rate_micros"], "additionalProperties": False}),
+}
+
+
+class RateDesk:
+    """The functions of the conversion task, with a rate cache that hands out its own objects."""
+
+    def __init__(self, block_first_convert=None):
+        self.cache, self.ran = {}, []
+        self.block_first_convert = block_first_convert  # a threading.Event the first convert waits for
+
+    async def get_rate(self, base, quote):
+        await asyncio.sleep(0)
+        self.ran.append("get_rate")
+        return self.cache.setdefault((base, quote), {"base": base, "quote": quote, "rate_micros": RATES[(base, quote)]})
+
+    def convert(self, amount_cents, rate_micros):
+        self.ran.append("convert")
+        attempt = self.ran.count("convert")
+        if attempt == 1 and self.block_first_convert is not None:
+            self.block_first_convert.wait(30)
+        for entry in self.cache.values():  # the cache refreshes: the object it handed out changes
+            entry["rate_micros"] += 1
+        return {"amount_cents": amount_cents, "rate_micros": rate_micros,
+                "converted_cents": amount_cents * rate_micros // 1_000_000, "attempt": attempt}
+
+    def functions(self):
+        return {"get_rate": self.get_rate, "convert": self.convert}
+
+
+def conversion_successes(history):
+    return [obs for record in history for obs in record["observations"] if obs["ok"]]
+
+
+async def conversion_model(history):
+    """Read the EUR->USD rate, convert AMOUNT with it, answer with the conversion."""
+    done = {obs["name"]: obs["data"] for obs in conversion_successes(history)}
+    number = len(history) + 1
+    if "get_rate" not in done:
+        return calls(call(f"rate-{number}", "get_rate", base="EUR", quote="USD"))
+    if "convert" not in done:
+        rate = done["get_rate"]["rate_micros"]
+        return calls(call(f"convert-{number}", "convert", amount_cents=AMOUNT, rate_micros=rate))
+    answer = {key: done["convert"][key] for key in ("amount_cents", "rate_micros", "converted_cents")}
+    return final(answer)
+
+
+def conversion_accepted(answer, history):
+    """The task's own final check: recompute the conversion from the rate read in history."""
+    rates = [obs["data"]["rate_micros"] for obs in conversion_successes(history)
+             if obs["name"] == "get_rate" and obs["arguments"] == {"base": "EUR", "quote": "USD"}]
+    if not rates or type(rates[-1]) is not int:
+        return False
+    rate = rates[-1]
+    expected = {"amount_cents": AMOUNT, "rate_micros": rate, "converted_cents": AMOUNT * rate // 1_000_000}
+    return canonical(answer) == canonical(expected)
+
+
+class PreflightTests(RuntimeTestCase):
+    """PART 3: preflight checks a whole batch in the contract's order, arguments by schema and by your validate."""
+
     def check(self, batch, used_ids=(), attempts=None, registry=TOOLS, limits=Limits()):
         return preflight(batch, set(used_ids), attempts or {}, registry, limits)
 
@@ -344,132 +978,6 @@ class PreflightTests(unittest.TestCase):
         registry = {**TOOLS, "place_order": ToolSpec(1, False, True)}
         self.assertStops("permission_denied", [call("a", "place_order", sku="CUP")], registry=registry)
 
-
-def schema(**keywords):
-    return {"type": "object", **keywords}
-
-
-class StrictSchemaTests(RuntimeTestCase):
-    """A tool's parameters, as JSON Schema, checked in preflight with the module's exact types."""
-
-    def test_each_supported_keyword_admits_and_refuses_with_its_reason(self):
-        rows = {"type": "array", "items": schema(properties={"stock": {"type": "integer"}}), "maxItems": 2}
-        cases = [  # (schema, value, reason or None)
-            ({"type": "integer"}, 3, None), ({"type": "integer"}, True, "arguments: expected integer"),
-            ({"type": "integer"}, 3.0, "arguments: expected integer"), ({"type": "number"}, 3.5, None),
-            ({"type": "number"}, 3, None), ({"type": "number"}, False, "arguments: expected number"),
-            ({"type": "boolean"}, 0, "arguments: expected boolean"), ({"type": "null"}, None, None),
-            ({"type": ["string", "null"]}, None, None), ({"type": ["string", "null"]}, 1, "arguments: expected string or null"),
-            ({"type": "object"}, [], "arguments: expected object"), ({"type": "array"}, {}, "arguments: expected array"),
-            ({"enum": [1, "a"]}, 1, None), ({"enum": [1, "a"]}, True, "arguments: not one of the allowed values"),
-            ({"enum": [4]}, 4.0, "arguments: not one of the allowed values"),
-            ({"const": "x"}, "x", None), ({"const": False}, 0, "arguments: not the allowed value"),
-            ({"anyOf": [{"type": "integer"}, {"type": "null"}]}, None, None),
-            ({"anyOf": [{"type": "integer"}, {"type": "null"}]}, "1", "arguments: matches none of anyOf"),
-            ({"minimum": 0}, -1, "arguments: at least 0"), ({"maximum": 9}, 10, "arguments: at most 9"),
-            ({"exclusiveMinimum": 0}, 0, "arguments: more than 0"), ({"exclusiveMaximum": 1.5}, 1.5, "arguments: less than 1.5"),
-            ({"minimum": 0}, "text", None),  # a bound applies to numbers only, as JSON Schema says
-            ({"minLength": 2}, "é", "arguments: at least 2 characters"), ({"maxLength": 2}, "abc", "arguments: at most 2 characters"),
-            ({"pattern": "^[A-Z]{3}$"}, "EUR", None), ({"pattern": "^[A-Z]{3}$"}, "EURO", "arguments: does not match the pattern"),
-            # As JSON Schema's ECMA-262 reads them: $ only at the very end, . no line break.
-            ({"pattern": "^[a-z_]+$"}, "report\n", "arguments: does not match the pattern"),
-            ({"pattern": "^a.b$"}, "a\rb", "arguments: does not match the pattern"), ({"pattern": "^a[.]b$"}, "a.b", None),
-            ({"minItems": 1}, [], "arguments: at least 1 items"), ({"maxItems": 1}, [1, 2], "arguments: at most 1 items"),
-            (schema(required=["a"]), {}, "arguments: missing a"),
-            (schema(properties={"a": {"type": "string"}}), {"a": 1}, "a: expected string"),
-            (schema(properties={}, additionalProperties=False), {"b": 1}, "arguments: unexpected property"),
-            (schema(additionalProperties={"type": "integer"}), {"b": "1"}, "*: expected integer"),
-            (schema(properties={"scores": schema(additionalProperties={"type": "integer"})}), {"scores": {"ann": 1.5}},
-             "scores.*: expected integer"),
-            (schema(properties={"rows": rows}), {"rows": [{"stock": 1}, {"stock": True}]}, "rows[1].stock: expected integer"),
-            (schema(properties={"rows": rows}), {"rows": [{}, {}, {}]}, "rows: at most 2 items"),
-            # A reason names only what the schema names, never a key the model made up.
-            (schema(properties={"a": schema(additionalProperties=False)}), {"a": {"ignore_the_task": 1}},
-             "a: unexpected property"),
-            ({"pattern": "^[a-z]+$"}, "abc", None), ({"pattern": "^\\d+$"}, "\u0662\u0660", "arguments: does not match the pattern"),
-            ({"type": "string", "format": "email", "title": "T", "description": "D", "default": "x", "examples": ["x"]},
-             "not an email", None),  # annotations are ignored
-        ]
-        for rule, value, reason in cases:
-            with self.subTest(rule=rule, value=value):
-                self.assertEqual(agent_loop.schema_error(rule, value), reason)
-
-    async def test_a_schema_the_check_cannot_honour_is_refused_when_the_run_starts(self):
-        cases = [  # (parameters, message)
-            (schema(properties={"a": {"$ref": "#/$defs/A"}}), "tool: parameters.properties.a: unsupported keyword $ref"),
-            (schema(oneOf=[{"type": "object"}]), "tool: parameters: unsupported keyword oneOf"),
-            (schema(properties={"a": {"type": "array", "uniqueItems": True}}),
-             "tool: parameters.properties.a: unsupported keyword uniqueItems"),
-            (schema(patternProperties={}), "tool: parameters: unsupported keyword patternProperties"),
-            (schema(properties={"a": {"type": "array", "minItems": "1"}}), "tool: parameters.properties.a.minItems: must be an int >= 0"),
-            (schema(properties={"a": {"type": "text"}}), "tool: parameters.properties.a.type: must be JSON type names"),
-            (schema(properties={"a": {"type": 5}}), "tool: parameters.properties.a.type: must be JSON type names"),
-            (schema(properties={"a": {"type": []}}), "tool: parameters.properties.a.type: must be JSON type names"),
-            (schema(properties={"a": {"anyOf": [{"not": {}}]}}), "tool: parameters.properties.a.anyOf[0]: unsupported keyword not"),
-            (schema(additionalProperties={"$defs": {}}), "tool: parameters.additionalProperties: unsupported keyword $defs"),
-            (schema(properties={"a": {"pattern": "("}}), "tool: parameters.properties.a.pattern: must be a regular expression"),
-            (schema(required="a"), "tool: parameters.required: must be a list of names"),
-            (schema(properties={"a": {"maximum": "9"}}), "tool: parameters.properties.a.maximum: must be a number"),
-            ({"type": "array"}, "tool: parameters must be a JSON Schema of type object, in plain JSON data"),
-            (schema(default=float("nan")), "tool: parameters must be a JSON Schema of type object, in plain JSON data"),
-        ]
-        for parameters, message in cases:
-            with self.subTest(message=message):
-                registry = {"tool": ToolSpec(1, True, True, parameters=parameters)}
-                asked = []
-                with self.assertRaises(ValueError) as raised:
-                    await run_agent(scripted(asked.append), fixtures=FunctionTools({"tool": dict}), registry=registry, accept=never_accept)
-                self.assertEqual((str(raised.exception), asked), (message, []))
-
-    async def test_every_tool_of_your_own_declares_how_its_arguments_are_checked(self):
-        async def async_check(args):
-            return True
-
-        class AsyncCall:
-            async def __call__(self, args):
-                return True
-
-        cases = [
-            (ToolSpec(1, True, True), "tool: declare its parameters, a validate function, or both"),
-            (ToolSpec(1, True, True, validate=async_check), "tool: validate must be a plain function or None"),
-            (ToolSpec(1, True, True, validate=functools.partial(async_check)), "tool: validate must be a plain function or None"),
-            (ToolSpec(1, True, True, validate=AsyncCall()), "tool: validate must be a plain function or None"),
-            (ToolSpec(1, True, True, description=None, parameters=schema()), "tool: description must be a string"),
-            (ToolSpec(1, True, True, validate=bool, parameters=schema()), "tool: validate must be a plain function or None"),
-        ]
-        for spec, message in cases:
-            with self.subTest(message=message):
-                with self.assertRaises(ValueError) as raised:
-                    await run_agent(fixtures=FunctionTools({"tool": dict}), registry={"tool": spec}, accept=never_accept)
-                self.assertEqual(str(raised.exception), message)
-
-    async def test_a_tool_of_your_own_under_an_inventory_name_is_checked_by_its_own_declaration(self):
-        parameters = schema(properties={"table": {"type": "string"}, "partition": {"type": "integer"}})
-        registry = {"read_partition": ToolSpec(1, True, True, parameters=parameters)}
-        tools = FunctionTools({"read_partition": lambda table, partition: {"rows": []}})
-        result = await run_agent(scripted(calls(call("a", table="orders", partition=3))), fixtures=tools, registry=registry,
-                                 limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
-        self.assertEqual((result["status"], observations(result)[0]["data"]), ("round_limit", {"rows": []}))
-
-    async def test_the_articles_three_field_registry_keeps_valid_args(self):
-        registry = {"read_partition": ToolSpec(2, True, True), "compute_plan": ToolSpec(4, True, False)}
-        self.assertEqual((await run_agent(registry=registry, limits=ROOMY))["status"], "completed")
-        twice = {"rows": [ALL_ROWS[0], {**ALL_ROWS[0], "stock": 5}]}
-        result = await run_agent(scripted(calls(call("p", "compute_plan", **twice))), registry=registry, limits=ROOMY)
-        self.assertEqual(result["status"], "invalid_arguments")
-
-    async def test_a_schema_edited_while_the_run_goes_on_changes_nothing_it_checks(self):
-        parameters = schema(properties={"n": {"type": "integer"}}, required=["n"])
-        registry = {"f": ToolSpec(1, True, True, parameters=parameters)}
-
-        def edits_the_schema(n):
-            parameters["properties"]["n"]["type"] = "no such type"
-            return {"n": n}
-
-        model = scripted(calls(call("a", "f", n=1)), calls(call("b", "f", n=2)), calls(call("c", "f", n="3")))
-        result = await run_agent(model, fixtures=FunctionTools({"f": edits_the_schema}), registry=registry, limits=ROOMY, accept=never_accept)
-        self.assertEqual((result["status"], result["used"]["calls"]), ("invalid_arguments", 2))
-
     def test_preflight_keeps_the_reason_and_the_call_it_refused(self):
         registry = {"convert": CONVERSION_TOOLS["convert"]}
         batch = [call("a", "convert", amount_cents=5, rate_micros=7), call("b", "convert", amount_cents=5, rate_micros=0)]
@@ -477,6 +985,14 @@ class StrictSchemaTests(RuntimeTestCase):
             preflight(batch, set(), {}, registry, Limits())
         self.assertEqual((str(raised.exception), raised.exception.why),
                          ("invalid_arguments", {"call_id": "b", "name": "convert", "reason": "rate_micros: at least 1"}))
+
+    async def test_a_tool_of_your_own_under_an_inventory_name_is_checked_by_its_own_declaration(self):
+        parameters = schema(properties={"table": {"type": "string"}, "partition": {"type": "integer"}})
+        registry = {"read_partition": ToolSpec(1, True, True, parameters=parameters)}
+        tools = PlainTools({"read_partition": lambda table, partition: {"rows": []}})
+        result = await run_agent(scripted(calls(call("a", table="orders", partition=3))), fixtures=tools, registry=registry,
+                                 limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
+        self.assertEqual((result["status"], observations(result)[0]["data"]), ("round_limit", {"rows": []}))
 
     async def test_the_schema_and_your_validate_both_run(self):
         registry = {"get_rate": CONVERSION_TOOLS["get_rate"]}
@@ -487,7 +1003,7 @@ class StrictSchemaTests(RuntimeTestCase):
             with self.subTest(arguments=arguments):
                 desk = RateDesk()
                 model = scripted(calls({"call_id": "r", "name": "get_rate", "arguments": arguments}))
-                result = await run_agent(model, fixtures=FunctionTools(desk.functions()), registry=registry,
+                result = await run_agent(model, fixtures=PlainTools(desk.functions()), registry=registry,
                                          limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
                 self.assertEqual((result["status"], len(desk.ran)), (status, 1 if status == "round_limit" else 0))
 
@@ -497,13 +1013,37 @@ class StrictSchemaTests(RuntimeTestCase):
             return True
 
         registry = {"echo": ToolSpec(1, True, True, validate=edits, parameters=schema())}
-        result = await run_agent(scripted(calls(call("e", "echo", items=[1]))), fixtures=FunctionTools({"echo": lambda **a: a}),
+        result = await run_agent(scripted(calls(call("e", "echo", items=[1]))), fixtures=PlainTools({"echo": lambda **a: a}),
                                  registry=registry, limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
         self.assertEqual(result["history"][0]["calls"][0]["arguments"], {"items": [1]})
         self.assertEqual(observations(result)[0]["data"], {"items": [1]})
 
+    async def test_own_validator_must_return_true_and_must_not_raise(self):
+        def raises(args):
+            raise KeyError("private")
 
-class AcceptedTests(unittest.IsolatedAsyncioTestCase):
+        for validate in (raises, lambda args: 1, lambda args: "yes"):
+            with self.subTest(validate=validate):
+                registry = {"get_rate": ToolSpec(1, True, True, validate=validate)}
+                desk = RateDesk()
+                result = await run_agent(scripted(calls(call("r1", "get_rate", base="EUR", quote="USD"))),
+                                         fixtures=PlainTools(desk.functions()), registry=registry, limits=ROOMY, accept=never_accept)
+                self.assertEqual((result["status"], desk.ran), ("invalid_arguments", []))
+
+    async def test_own_validator_only_ever_sees_json_objects(self):
+        seen = []
+        registry = {"echo": ToolSpec(1, True, True, validate=lambda args: seen.append(args) or True)}
+        for arguments in ({"when": float("nan")}, {"n": 2**70}, {"items": {1, 2}}, {"t": (1, 2)}, [1], {1: "x"}):
+            with self.subTest(arguments=arguments):
+                model = scripted(calls({"call_id": "e", "name": "echo", "arguments": arguments}))
+                result = await run_agent(model, fixtures=PlainTools({"echo": dict}), registry=registry, limits=ROOMY, accept=never_accept)
+                self.assertEqual((result["status"], result["used"]["calls"]), ("invalid_arguments", 0))
+        self.assertEqual(seen, [])
+
+
+class AcceptedTests(RuntimeTestCase):
+    """PART 3: the final check: accepted recomputes the plan from the evidence in history; a check of your own decides."""
+
     async def test_accepts_only_the_plan_recomputed_from_evidence(self):
         history = (await run_agent(limits=ROOMY))["history"]
         self.assertTrue(accepted(PLAN, history))
@@ -537,10 +1077,46 @@ class AcceptedTests(unittest.IsolatedAsyncioTestCase):
                 self.assertEqual(result["status"], "completed" if why == "all evidence" else "invalid_final")
                 self.assertEqual(result["used"]["rounds"], 3)
 
+    async def test_a_read_whose_data_names_another_partition_is_no_evidence_for_either(self):
+        history = (await run_agent(limits=ROOMY))["history"]
+        self.assertTrue(accepted(PLAN, history))
+        for labelled in ("south", "north ", None):
+            with self.subTest(labelled=labelled):
+                edited = copy.deepcopy(history)
+                edited[0]["observations"][0]["data"]["partition"] = labelled  # north's rows, labelled otherwise
+                self.assertFalse(accepted(PLAN, edited))
 
-# PART 4
+    async def test_a_tool_that_mislabels_its_rows_is_read_again_then_refused_as_the_articles_runtime_does(self):
+        class Mislabelled(Fixtures):
+            async def invoke(self, call):
+                result = await super().invoke(call)
+                if call["arguments"].get("partition") == "north":
+                    result["partition"] = "south"  # north's rows, labelled as south's
+                return result
+
+        fixtures = Mislabelled(delays={})
+        result = await run_agent(fixtures=fixtures, limits=ROOMY)
+        # fake_model counts no evidence that contradicts its call: north is read again, and its third read refused.
+        self.assertEqual((result["status"], result["used"]), ("repeat_limit", {"rounds": 3, "calls": 3, "credits": 15}))
+        self.assertEqual(fixtures.started, ["r1-north", "r1-south", "r2-north"])
+
+    async def test_own_final_check_decides_and_its_exceptions_count_as_not_accepted(self):
+        def raises(answer, history):
+            raise RuntimeError("private")
+
+        for accept, status in ((raises, "invalid_final"), (lambda answer, history: 1, "invalid_final"),
+                               (lambda answer, history: True, "completed")):
+            with self.subTest(accept=accept):
+                result = await run_agent(accept=accept, limits=ROOMY)
+                self.assertEqual((result["status"], result["used"]["rounds"]), (status, 3))
+                self.assertNoPrivateText(result)
+
+
+# PART 4: run_agent: budgets, dispatch, observation history, stop states
 
 class RunAgentTests(RuntimeTestCase):
+    """PART 4: run_agent admits a batch whole or not at all, runs it, and keeps a history of its own."""
+
     async def test_success_within_the_exact_budget(self):
         fixtures = Fixtures()
         result = await run_agent(fixtures=fixtures)
@@ -550,12 +1126,6 @@ class RunAgentTests(RuntimeTestCase):
         self.assertEqual([event["credits"] for event in result["trace"]], [3, 7, 10, 14, 17, 17])
         self.assertEqual(fixtures.finished, ["r1-south", "r1-north", "r2-plan"])
         self.assertNoTaskLeft()
-
-    async def test_the_exact_budget_is_enough_and_one_less_is_not(self):
-        exact = dataclasses.replace(ROOMY, rounds=3, calls=3, credits=17)
-        self.assertEqual((await run_agent(limits=exact))["status"], "completed")
-        result = await run_agent(limits=dataclasses.replace(exact, credits=16))
-        self.assertEqual((result["status"], result["used"]["rounds"]), ("credit_limit", 2))
 
     async def test_unknown_tool_rejects_the_whole_batch(self):
         fixtures = Fixtures()
@@ -588,53 +1158,6 @@ class RunAgentTests(RuntimeTestCase):
         self.assertEqual(result["trace"][1]["ids"], ["r1-north", "r1-south"])
         self.assertTrue(result["trace"][1]["parallel"])
 
-    async def test_the_final_answer_consumes_a_round(self):
-        result = await run_agent(limits=dataclasses.replace(ROOMY, rounds=2))
-        self.assertEqual(result["status"], "round_limit")
-        self.assertEqual(result["used"], {"rounds": 2, "calls": 3, "credits": 14})
-        self.assertIsNone(result["answer"])
-
-    async def test_call_budget_admits_no_partial_batch(self):
-        fixtures = Fixtures()
-        result = await run_agent(fixtures=fixtures, limits=dataclasses.replace(ROOMY, calls=1))
-        self.assertEqual(result["status"], "call_limit")
-        self.assertEqual(result["used"], {"rounds": 1, "calls": 0, "credits": 3})
-        self.assertEqual(fixtures.started, [])
-
-    async def test_credit_budget_admits_no_partial_batch(self):
-        fixtures = Fixtures()
-        result = await run_agent(fixtures=fixtures, limits=dataclasses.replace(ROOMY, credits=6))
-        self.assertEqual(result["status"], "credit_limit")
-        self.assertEqual(result["used"], {"rounds": 1, "calls": 0, "credits": 3})
-        self.assertEqual(fixtures.started, [])
-
-    async def test_the_final_needs_its_own_credits(self):
-        result = await run_agent(limits=dataclasses.replace(ROOMY, credits=16))
-        self.assertEqual(result["status"], "credit_limit")
-        self.assertIsNone(result["answer"])
-        self.assertEqual(result["used"], {"rounds": 2, "calls": 3, "credits": 14})
-        self.assertEqual(observations(result)[-1]["data"], PLAN)  # the plan was computed, then money ran out
-
-    async def test_cancel_before_the_start(self):
-        cancel, fixtures = asyncio.Event(), Fixtures()
-        cancel.set()
-        result = await run_agent(fixtures=fixtures, cancel=cancel, limits=ROOMY)
-        self.assertEqual(result["status"], "cancelled")
-        self.assertEqual(result["used"], {"rounds": 0, "calls": 0, "credits": 0})
-        self.assertEqual(fixtures.started, [])
-
-    async def test_cancel_during_running_tools(self):
-        cancel, fixtures = asyncio.Event(), Fixtures(delays={"north": 10, "south": 10})
-        run = asyncio.create_task(run_agent(fixtures=fixtures, cancel=cancel, limits=ROOMY))
-        await wait_until(lambda: fixtures.active == 2)
-        cancel.set()
-        result = await run
-        self.assertEqual(result["status"], "cancelled")
-        self.assertEqual(result["used"], {"rounds": 1, "calls": 2, "credits": 7})
-        self.assertEqual((fixtures.active, sorted(fixtures.cancelled)), (0, ["r1-north", "r1-south"]))
-        self.assertEqual(errors(result), ["cancelled", "cancelled"])
-        self.assertNoTaskLeft()
-
     async def test_a_temporary_failure_becomes_an_observation_and_is_retried_with_a_new_id(self):
         fixtures = Fixtures(failures={"north": ["temporary"]})
         result = await run_agent(fixtures=fixtures, limits=ROOMY)
@@ -645,76 +1168,12 @@ class RunAgentTests(RuntimeTestCase):
         self.assertEqual(result["history"][1]["calls"], [call("r2-north", partition="north")])
         self.assertNoPrivateText(result)
 
-    async def test_a_tool_timeout_cancels_the_tool_and_allows_one_retry(self):
-        fixtures = Fixtures(failures={"north": ["timeout"]})
-        limits = dataclasses.replace(ROOMY, tool_seconds=0.3)
-        result = await run_agent(fixtures=fixtures, limits=limits)
-        self.assertEqual(result["status"], "completed")
-        self.assertEqual(result["used"], {"rounds": 4, "calls": 4, "credits": 22})
-        self.assertEqual(errors(result), ["tool_timeout"])
-        self.assertEqual((fixtures.cancelled, fixtures.active), (["r1-north"], 0))
-
-    async def test_the_whole_run_deadline_wins_over_long_tools(self):
-        fixtures = Fixtures(failures={"north": ["timeout"], "south": ["timeout"]})
-        limits = dataclasses.replace(ROOMY, total_seconds=0.3)
-        result = await run_agent(fixtures=fixtures, limits=limits)
-        self.assertEqual(result["status"], "deadline")
-        self.assertEqual(result["used"], {"rounds": 1, "calls": 2, "credits": 7})
-        self.assertEqual((sorted(fixtures.cancelled), fixtures.active), (["r1-north", "r1-south"], 0))
-        self.assertNoTaskLeft()
-
-    async def test_the_deadline_bounds_a_tools_wait_below_its_own_limit(self):
-        # The tools would hang for 10 s and tool_seconds allows 20: only the run's 0.3 s deadline can end them.
-        fixtures = Fixtures(failures={"north": ["timeout"], "south": ["timeout"]})
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        result = await run_agent(fixtures=fixtures, limits=Limits(tool_seconds=20, model_seconds=20, total_seconds=0.3))
-        self.assertLess(loop.time() - start, 5)  # returned long before either the tools or their limit would end
-        self.assertEqual((result["status"], errors(result)), ("deadline", ["tool_timeout", "tool_timeout"]))
-        self.assertEqual(fixtures.active, 0)
-
-    async def test_a_model_wait_that_the_deadline_cuts_says_deadline(self):
-        async def hangs(history):
-            await asyncio.sleep(10)
-
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        result = await run_agent(hangs, limits=Limits(tool_seconds=20, model_seconds=20, total_seconds=0.3))
-        self.assertLess(loop.time() - start, 5)
-        self.assertEqual((result["status"], result["used"]), ("deadline", {"rounds": 1, "calls": 0, "credits": 3}))
-
-    async def test_a_decision_that_arrives_after_the_deadline_is_not_acted_on(self):
-        def blocks_then_decides(history):
-            time.sleep(0.5)  # blocks the loop past the deadline, so no timer can interrupt it
-            return calls(call("late", partition="north"))
-
-        async def model(history):
-            return blocks_then_decides(history)
-
-        self.allowBlockingSteps()
-        fixtures = Fixtures()
-        result = await run_agent(model, fixtures=fixtures, limits=Limits(tool_seconds=20, model_seconds=20, total_seconds=0.2))
-        self.assertEqual((result["status"], result["history"], fixtures.started), ("deadline", [], []))
-        self.assertEqual([event["event"] for event in result["trace"]], ["stop"])
-
     async def test_a_batch_runs_in_parallel_only_if_every_tool_in_it_allows_it(self):
         fixtures = Fixtures(delays={"north": 0.05, "compute_plan": 0})
         model = scripted(calls(call("n", partition="north"), call("p", "compute_plan", rows=ALL_ROWS)))
         result = await run_agent(model, fixtures=fixtures, limits=dataclasses.replace(ROOMY, rounds=1))
         self.assertEqual((result["trace"][1]["parallel"], fixtures.peak), (False, 1))
         self.assertEqual(fixtures.finished, ["n", "p"])  # the slow read first: the plan waited for it
-
-    async def test_calls_a_stop_overtook_carry_its_status_and_neither_start_nor_count(self):
-        # A serial batch: north hangs until the deadline cuts it (retryable), so south is reached only after it.
-        fixtures = Fixtures(failures={"north": ["timeout"]})
-        registry = {**TOOLS, "read_partition": dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)}
-        limits = Limits(tool_seconds=20, model_seconds=20, total_seconds=0.3)
-        result = await run_agent(fixtures=fixtures, registry=registry, limits=limits)
-        self.assertEqual((result["status"], errors(result)), ("deadline", ["tool_timeout", "deadline"]))
-        self.assertEqual(result["used"], {"rounds": 1, "calls": 1, "credits": 5})
-        self.assertEqual(fixtures.started, ["r1-north"])
-        south = result["history"][0]["observations"][1]
-        self.assertEqual((south["call_id"], south["ok"], south["retryable"]), ("r1-south", False, False))
 
     async def test_history_keeps_the_runtimes_own_copy_of_the_admitted_batch(self):
         decisions = []
@@ -730,26 +1189,6 @@ class RunAgentTests(RuntimeTestCase):
         result = await run_agent(model, limits=ROOMY)
         self.assertEqual(result["status"], "completed")
         self.assertEqual(result["history"][0]["calls"], [call("r1-north", partition="north"), call("r1-south", partition="south")])
-
-    async def test_the_deadline_is_checked_before_a_fatal_observation_of_the_same_round(self):
-        fixtures = Fixtures(failures={"north": ["timeout"], "south": ["permission"]})
-        result = await run_agent(fixtures=fixtures, limits=dataclasses.replace(ROOMY, total_seconds=0.3))
-        self.assertEqual(result["status"], "deadline")
-        self.assertEqual(errors(result), ["tool_timeout", "permission_denied"])
-        self.assertEqual(result["used"], {"rounds": 1, "calls": 2, "credits": 7})
-
-    async def test_a_repeated_signature_stops_at_the_third_attempt_even_with_fresh_ids(self):
-        fixtures = Fixtures(failures={"north": ["temporary", "temporary"]})
-        result = await run_agent(fixtures=fixtures, limits=ROOMY)
-        self.assertEqual(result["status"], "repeat_limit")
-        self.assertEqual(result["used"], {"rounds": 3, "calls": 3, "credits": 15})
-        self.assertEqual(fixtures.started, ["r1-north", "r1-south", "r2-north"])
-
-    async def test_repetition_inside_one_batch_counts(self):
-        fixtures = Fixtures()
-        model = scripted(calls(*(call(cid, partition="north") for cid in ("a", "b", "c"))))
-        result = await run_agent(model, fixtures=fixtures, limits=ROOMY)
-        self.assertEqual((result["status"], result["used"]["calls"], fixtures.started), ("repeat_limit", 0, []))
 
     async def test_bad_arguments_stop_the_batch_before_anything_starts(self):
         for args in ({"partition": "north", "limit": 1}, {"partition": 1}, {"partition": "../south"}):
@@ -847,15 +1286,6 @@ class RunAgentTests(RuntimeTestCase):
         self.assertEqual((result["status"], result["used"]["calls"]), ("completed", 4))
         self.assertEqual(fixtures.started[:2], ["r1-north", "r1-south"])
 
-    async def test_model_timeout(self):
-        async def slow(history):
-            await asyncio.sleep(10)
-
-        result = await run_agent(slow, limits=dataclasses.replace(ROOMY, model_seconds=0.05))
-        self.assertEqual(result["status"], "model_timeout")
-        self.assertEqual(result["used"], {"rounds": 1, "calls": 0, "credits": 3})
-        self.assertNoTaskLeft()
-
     async def test_model_exception(self):
         async def broken(history):
             raise RuntimeError("private detail of the model")
@@ -864,21 +1294,6 @@ class RunAgentTests(RuntimeTestCase):
         self.assertEqual(result["status"], "model_exception")
         self.assertEqual(result["used"], {"rounds": 1, "calls": 0, "credits": 3})
         self.assertNoPrivateText(result)
-
-    def test_the_copy_of_admitted_data_is_exact_and_shares_no_container(self):
-        def containers(value):
-            if type(value) in (dict, list):
-                yield value
-                for item in (value.values() if type(value) is dict else value):
-                    yield from containers(item)
-
-        rows = copy.deepcopy(ALL_ROWS)
-        data = [{"round": 1, "calls": [call("a", "compute_plan", rows=rows)], "atoms": [1.5, -0.0, None, True, "x", -2**63]},
-                {"shared": rows, "again": rows}]
-        copied = agent_loop._copy(data)
-        self.assertEqual(canonical(copied), canonical(data))  # equal, types included: a bool stays a bool
-        self.assertEqual(repr(copied[0]["atoms"]), repr(data[0]["atoms"]))  # -0.0 keeps its sign
-        self.assertFalse({id(c) for c in containers(data)} & {id(c) for c in containers(copied)})
 
     async def test_the_models_history_is_a_copy(self):
         async def vandal(history):
@@ -945,6 +1360,91 @@ class RunAgentTests(RuntimeTestCase):
         result = await run_agent(scripted(calls()), limits=ROOMY)
         self.assertEqual((result["status"], result["used"]), ("invalid_batch", {"rounds": 1, "calls": 0, "credits": 3}))
 
+    async def test_the_result_is_a_deep_copy(self):
+        class Keeper(Fixtures):
+            async def invoke(self, call):
+                self.last = await super().invoke(call)
+                return self.last
+
+        fixtures = Keeper()
+        result = await run_agent(fixtures=fixtures, limits=ROOMY)
+        self.assertEqual(result["status"], "completed")
+        self.assertEqual(observations(result)[-1]["data"], fixtures.last)
+        self.assertIsNot(observations(result)[-1]["data"], fixtures.last)
+
+    async def test_a_tool_that_edits_its_call_cannot_edit_history(self):
+        class Editor(Fixtures):
+            async def invoke(self, call):
+                result = await super().invoke(call)
+                call["call_id"] = "forged"
+                call["arguments"].clear()
+                return result
+
+        result = await run_agent(fixtures=Editor(), limits=ROOMY)
+        self.assertEqual(result["status"], "completed")
+        self.assertEqual(result["history"][0]["calls"][0], call("r1-north", partition="north"))
+        self.assertEqual(observations(result)[0]["arguments"], {"partition": "north"})
+
+    async def test_the_runtime_touches_only_invoke(self):
+        class OnlyInvoke:
+            __slots__ = ()
+
+            async def invoke(self, call):
+                return await Fixtures(delays={}).invoke(call)
+
+        result = await run_agent(fixtures=OnlyInvoke(), limits=ROOMY)
+        self.assertEqual((result["status"], result["used"]["calls"]), ("completed", 3))
+
+
+class BudgetTests(RuntimeTestCase):
+    """PART 4: the budgets of rounds, calls, credits and attempts: exact, paid up front, and never partly spent on a batch."""
+
+    async def test_the_exact_budget_is_enough_and_one_less_is_not(self):
+        exact = dataclasses.replace(ROOMY, rounds=3, calls=3, credits=17)
+        self.assertEqual((await run_agent(limits=exact))["status"], "completed")
+        result = await run_agent(limits=dataclasses.replace(exact, credits=16))
+        self.assertEqual((result["status"], result["used"]["rounds"]), ("credit_limit", 2))
+
+    async def test_the_final_answer_consumes_a_round(self):
+        result = await run_agent(limits=dataclasses.replace(ROOMY, rounds=2))
+        self.assertEqual(result["status"], "round_limit")
+        self.assertEqual(result["used"], {"rounds": 2, "calls": 3, "credits": 14})
+        self.assertIsNone(result["answer"])
+
+    async def test_call_budget_admits_no_partial_batch(self):
+        fixtures = Fixtures()
+        result = await run_agent(fixtures=fixtures, limits=dataclasses.replace(ROOMY, calls=1))
+        self.assertEqual(result["status"], "call_limit")
+        self.assertEqual(result["used"], {"rounds": 1, "calls": 0, "credits": 3})
+        self.assertEqual(fixtures.started, [])
+
+    async def test_credit_budget_admits_no_partial_batch(self):
+        fixtures = Fixtures()
+        result = await run_agent(fixtures=fixtures, limits=dataclasses.replace(ROOMY, credits=6))
+        self.assertEqual(result["status"], "credit_limit")
+        self.assertEqual(result["used"], {"rounds": 1, "calls": 0, "credits": 3})
+        self.assertEqual(fixtures.started, [])
+
+    async def test_the_final_needs_its_own_credits(self):
+        result = await run_agent(limits=dataclasses.replace(ROOMY, credits=16))
+        self.assertEqual(result["status"], "credit_limit")
+        self.assertIsNone(result["answer"])
+        self.assertEqual(result["used"], {"rounds": 2, "calls": 3, "credits": 14})
+        self.assertEqual(observations(result)[-1]["data"], PLAN)  # the plan was computed, then money ran out
+
+    async def test_a_repeated_signature_stops_at_the_third_attempt_even_with_fresh_ids(self):
+        fixtures = Fixtures(failures={"north": ["temporary", "temporary"]})
+        result = await run_agent(fixtures=fixtures, limits=ROOMY)
+        self.assertEqual(result["status"], "repeat_limit")
+        self.assertEqual(result["used"], {"rounds": 3, "calls": 3, "credits": 15})
+        self.assertEqual(fixtures.started, ["r1-north", "r1-south", "r2-north"])
+
+    async def test_repetition_inside_one_batch_counts(self):
+        fixtures = Fixtures()
+        model = scripted(calls(*(call(cid, partition="north") for cid in ("a", "b", "c"))))
+        result = await run_agent(model, fixtures=fixtures, limits=ROOMY)
+        self.assertEqual((result["status"], result["used"]["calls"], fixtures.started), ("repeat_limit", 0, []))
+
     async def test_zero_rounds(self):
         fixtures = Fixtures()
         result = await run_agent(fixtures=fixtures, limits=dataclasses.replace(ROOMY, rounds=0))
@@ -952,6 +1452,456 @@ class RunAgentTests(RuntimeTestCase):
         self.assertEqual(result["used"], {"rounds": 0, "calls": 0, "credits": 0})
         self.assertEqual(result["trace"], [{"event": "stop", "status": "round_limit", "rounds": 0, "calls": 0, "credits": 0,
                                             "reason": "all 0 rounds were used"}])
+
+
+class TimeLimitTests(RuntimeTestCase):
+    """PART 4: tool_seconds, model_seconds and the run's deadline; work that ends after its limit does not count."""
+
+    async def test_a_tool_timeout_cancels_the_tool_and_allows_one_retry(self):
+        fixtures = Fixtures(failures={"north": ["timeout"]})
+        limits = dataclasses.replace(ROOMY, tool_seconds=0.3)
+        result = await run_agent(fixtures=fixtures, limits=limits)
+        self.assertEqual(result["status"], "completed")
+        self.assertEqual(result["used"], {"rounds": 4, "calls": 4, "credits": 22})
+        self.assertEqual(errors(result), ["tool_timeout"])
+        self.assertEqual((fixtures.cancelled, fixtures.active), (["r1-north"], 0))
+
+    async def test_the_whole_run_deadline_wins_over_long_tools(self):
+        fixtures = Fixtures(failures={"north": ["timeout"], "south": ["timeout"]})
+        limits = dataclasses.replace(ROOMY, total_seconds=0.3)
+        result = await run_agent(fixtures=fixtures, limits=limits)
+        self.assertEqual(result["status"], "deadline")
+        self.assertEqual(result["used"], {"rounds": 1, "calls": 2, "credits": 7})
+        self.assertEqual((sorted(fixtures.cancelled), fixtures.active), (["r1-north", "r1-south"], 0))
+        self.assertNoTaskLeft()
+
+    async def test_the_deadline_bounds_a_tools_wait_below_its_own_limit(self):
+        # The tools would hang for 10 s and tool_seconds allows 20: only the run's 0.3 s deadline can end them.
+        fixtures = Fixtures(failures={"north": ["timeout"], "south": ["timeout"]})
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        result = await run_agent(fixtures=fixtures, limits=Limits(tool_seconds=20, model_seconds=20, total_seconds=0.3))
+        self.assertLess(loop.time() - start, 5)  # returned long before either the tools or their limit would end
+        self.assertEqual((result["status"], errors(result)), ("deadline", ["tool_timeout", "tool_timeout"]))
+        self.assertEqual(fixtures.active, 0)
+
+    async def test_a_model_wait_that_the_deadline_cuts_says_deadline(self):
+        async def hangs(history):
+            await asyncio.sleep(10)
+
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        result = await run_agent(hangs, limits=Limits(tool_seconds=20, model_seconds=20, total_seconds=0.3))
+        self.assertLess(loop.time() - start, 5)
+        self.assertEqual((result["status"], result["used"]), ("deadline", {"rounds": 1, "calls": 0, "credits": 3}))
+
+    async def test_a_decision_that_arrives_after_the_deadline_is_not_acted_on(self):
+        def blocks_then_decides(history):
+            time.sleep(0.5)  # blocks the loop past the deadline, so no timer can interrupt it
+            return calls(call("late", partition="north"))
+
+        async def model(history):
+            return blocks_then_decides(history)
+
+        self.allowBlockingSteps()
+        fixtures = Fixtures()
+        result = await run_agent(model, fixtures=fixtures, limits=Limits(tool_seconds=20, model_seconds=20, total_seconds=0.2))
+        self.assertEqual((result["status"], result["history"], fixtures.started), ("deadline", [], []))
+        self.assertEqual([event["event"] for event in result["trace"]], ["stop"])
+
+    async def test_calls_a_stop_overtook_carry_its_status_and_neither_start_nor_count(self):
+        # A serial batch: north hangs until the deadline cuts it (retryable), so south is reached only after it.
+        fixtures = Fixtures(failures={"north": ["timeout"]})
+        registry = {**TOOLS, "read_partition": dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)}
+        limits = Limits(tool_seconds=20, model_seconds=20, total_seconds=0.3)
+        result = await run_agent(fixtures=fixtures, registry=registry, limits=limits)
+        self.assertEqual((result["status"], errors(result)), ("deadline", ["tool_timeout", "deadline"]))
+        self.assertEqual(result["used"], {"rounds": 1, "calls": 1, "credits": 5})
+        self.assertEqual(fixtures.started, ["r1-north"])
+        south = result["history"][0]["observations"][1]
+        self.assertEqual((south["call_id"], south["ok"], south["retryable"]), ("r1-south", False, False))
+
+    async def test_the_deadline_is_checked_before_a_fatal_observation_of_the_same_round(self):
+        fixtures = Fixtures(failures={"north": ["timeout"], "south": ["permission"]})
+        result = await run_agent(fixtures=fixtures, limits=dataclasses.replace(ROOMY, total_seconds=0.3))
+        self.assertEqual(result["status"], "deadline")
+        self.assertEqual(errors(result), ["tool_timeout", "permission_denied"])
+        self.assertEqual(result["used"], {"rounds": 1, "calls": 2, "credits": 7})
+
+    async def test_model_timeout(self):
+        async def slow(history):
+            await asyncio.sleep(10)
+
+        result = await run_agent(slow, limits=dataclasses.replace(ROOMY, model_seconds=0.05))
+        self.assertEqual(result["status"], "model_timeout")
+        self.assertEqual(result["used"], {"rounds": 1, "calls": 0, "credits": 3})
+        self.assertNoTaskLeft()
+
+    async def test_work_that_finishes_after_its_limit_does_not_count_as_within_it(self):
+        self.allowBlockingSteps()
+
+        def slow_accept(answer, history):
+            time.sleep(0.7)
+            return True
+
+        result = await run_agent(accept=slow_accept, limits=Limits(tool_seconds=5, model_seconds=5, total_seconds=0.5))
+        self.assertEqual(result["status"], "deadline")  # it accepted, but only after the deadline
+
+        async def blocks(**args):
+            time.sleep(0.3)  # holds the loop, so no timer can fire until it returns
+            return {"late": True}
+
+        registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
+        result = await run_agent(scripted(calls(call("a", "f"))), fixtures=PlainTools({"f": blocks}), registry=registry,
+                                 limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.1), accept=never_accept)
+        self.assertEqual(errors(result), ["tool_timeout"])
+
+        def empties(answer, history):
+            history.clear()
+            answer.clear()
+            return True
+
+        result = await run_agent(accept=empties, limits=ROOMY)
+        self.assertEqual((result["status"], len(result["history"]), result["answer"]), ("completed", 2, PLAN))
+
+        async def async_accept(answer, history):
+            return True
+
+        with self.assertRaises(ValueError) as raised:
+            await run_agent(accept=async_accept, limits=ROOMY)
+        self.assertEqual(str(raised.exception), "accept must be a plain function")
+
+    async def test_the_time_left_is_read_after_the_copy_of_history(self):
+        self.allowBlockingSteps()
+        asked, real_copy = [], agent_loop._copy
+
+        def slow_copy(value):
+            if type(value) is list and value and "round" in value[0]:
+                time.sleep(0.4)  # a copy of history that takes longer than the time left
+            return real_copy(value)
+
+        async def model(history):
+            asked.append(len(history))
+            return await fake_model(history)
+
+        with unittest.mock.patch.object(agent_loop, "_copy", slow_copy):
+            result = await run_agent(model, limits=Limits(tool_seconds=5, model_seconds=5, total_seconds=0.3))
+        self.assertEqual((result["status"], asked), ("deadline", [0]))  # round 2's model never started
+
+
+class CancelTests(RuntimeTestCase):
+    """PART 4: the cancel event, and a cancel of the run's task: every running tool is cancelled and awaited first."""
+
+    async def test_cancel_before_the_start(self):
+        cancel, fixtures = asyncio.Event(), Fixtures()
+        cancel.set()
+        result = await run_agent(fixtures=fixtures, cancel=cancel, limits=ROOMY)
+        self.assertEqual(result["status"], "cancelled")
+        self.assertEqual(result["used"], {"rounds": 0, "calls": 0, "credits": 0})
+        self.assertEqual(fixtures.started, [])
+
+    async def test_cancel_during_running_tools(self):
+        cancel, fixtures = asyncio.Event(), Fixtures(delays={"north": 10, "south": 10})
+        run = asyncio.create_task(run_agent(fixtures=fixtures, cancel=cancel, limits=ROOMY))
+        await wait_until(lambda: fixtures.active == 2)
+        cancel.set()
+        result = await run
+        self.assertEqual(result["status"], "cancelled")
+        self.assertEqual(result["used"], {"rounds": 1, "calls": 2, "credits": 7})
+        self.assertEqual((fixtures.active, sorted(fixtures.cancelled)), (0, ["r1-north", "r1-south"]))
+        self.assertEqual(errors(result), ["cancelled", "cancelled"])
+        self.assertNoTaskLeft()
+
+    async def test_cancelling_the_runs_task_cancels_every_running_tool_first(self):
+        fixtures = Fixtures(delays={"north": 30, "south": 30})
+        run = asyncio.create_task(run_agent(fixtures=fixtures, limits=ROOMY))
+        await wait_until(lambda: fixtures.active == 2)
+        run.cancel()
+        with self.assertRaises(asyncio.CancelledError):
+            await run
+        self.assertEqual((fixtures.active, sorted(fixtures.cancelled)), (0, ["r1-north", "r1-south"]))
+        self.assertNoTaskLeft()
+
+    async def test_a_second_cancel_during_clean_up_still_waits_for_the_tools(self):
+        cleaning, release = [], asyncio.Event()
+
+        class SlowToDie(Fixtures):
+            async def invoke(self, call):
+                try:
+                    return await super().invoke(call)
+                except asyncio.CancelledError:
+                    cleaning.append(call["call_id"])
+                    await asyncio.shield(release.wait())  # clean-up that lasts until the test lets it end
+                    raise
+
+        serial = {**TOOLS, "read_partition": dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)}
+        for registry, running in ((TOOLS, ["r1-north", "r1-south"]), (serial, ["r1-north"])):
+            with self.subTest(parallel=registry is TOOLS):
+                cleaning.clear()
+                release.clear()
+                fixtures = SlowToDie(delays={"north": 30, "south": 30})
+                run = asyncio.create_task(run_agent(fixtures=fixtures, registry=registry, limits=ROOMY))
+                await wait_until(lambda: fixtures.active == len(running))
+                run.cancel()
+                await wait_until(lambda: len(cleaning) == len(running))
+                run.cancel()  # arrives while every tool is still cleaning up
+                for _ in range(10):
+                    await asyncio.sleep(0)
+                self.assertFalse(run.done())  # still waiting for the tools
+                release.set()
+                with self.assertRaises(asyncio.CancelledError):
+                    await run
+                self.assertEqual((fixtures.active, sorted(fixtures.finished)), (0, running))
+                self.assertNoTaskLeft()
+
+    async def test_a_cancel_set_and_cleared_at_once_still_cancels(self):
+        for where in ("tools", "model"):
+            cancel = asyncio.Event()
+
+            class Pulses(Fixtures):
+                async def invoke(self, call):
+                    if where == "tools" and call["call_id"] == "r1-south":
+                        cancel.set()
+                        cancel.clear()
+                    return await super().invoke(call)
+
+            async def model(history):
+                if where == "model":
+                    cancel.set()
+                    cancel.clear()
+                    await asyncio.sleep(0.01)
+                return await fake_model(history)
+
+            with self.subTest(where=where):
+                result = await run_agent(model, fixtures=Pulses(delays={"north": 0.5, "south": 0.5}), cancel=cancel,
+                                         limits=ROOMY)
+                self.assertEqual(result["status"], "cancelled")
+                self.assertNoTaskLeft()
+
+    async def test_a_cancel_set_and_cleared_at_once_by_accept_still_cancels(self):
+        cancel = asyncio.Event()
+
+        def pulses(answer, history):
+            cancel.set()
+            cancel.clear()
+            return accepted(answer, history)
+
+        result = await run_agent(cancel=cancel, accept=pulses, limits=ROOMY)
+        self.assertEqual(result["status"], "cancelled")
+
+    async def test_an_event_whose_wait_was_replaced_is_still_waited_on_the_class_way(self):
+        cancel = asyncio.Event()
+        cancel.wait = lambda: None  # an instance attribute: the runtime uses asyncio.Event.wait itself
+        result = await run_agent(cancel=cancel, limits=ROOMY)
+        self.assertEqual(result["status"], "completed")
+        self.assertNoTaskLeft()
+
+
+class LookupTool:
+    """A tool of your own, lookup(key), for the cases where it raises."""
+
+    LOOKUP = {"lookup": ToolSpec(1, True, True, parameters={
+        "type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"],
+        "additionalProperties": False})}
+
+    async def lookups(self, raise_it, parallel=False):
+        """A run of two lookups, each raising what raise_it(key) gives, then any final answer, accepted."""
+        def lookup(key):
+            raise raise_it(key)
+
+        registry = {"lookup": dataclasses.replace(self.LOOKUP["lookup"], parallel_safe=parallel)}
+        batch = calls(call("a", "lookup", key="north"), call("b", "lookup", key="south"))
+        return await run_agent(scripted(batch, final("done")), registry=registry, limits=ROOMY,
+                               fixtures=PlainTools({"lookup": lookup}), accept=lambda answer, history: True)
+
+
+class StopReasonTests(LookupTool, RuntimeTestCase):
+    """PART 4: a failed run says why: its one stop event, and each failed observation's error, error_type or message."""
+
+    async def test_every_stop_is_traced_once_with_its_status(self):
+        result = await run_agent(fixtures=Fixtures(failures={"north": ["bug"]}), limits=ROOMY)
+        stops = [event for event in result["trace"] if event["event"] == "stop"]
+        self.assertEqual(stops, [{"event": "stop", "status": "tool_exception", **result["used"], "call_id": "r1-north",
+                                  "name": "read_partition", "error_type": "RuntimeError"}])
+        self.assertIn(result["status"], STOP_STATUSES)
+
+    async def test_a_failed_observation_names_the_class_of_what_the_tool_raised(self):
+        for fault, error, error_type in (("temporary", "temporary", "TemporaryError"),
+                                         ("permission", "permission_denied", "PermissionError"),
+                                         ("bug", "tool_exception", "RuntimeError"), ("timeout", "tool_timeout", None)):
+            with self.subTest(fault=fault):
+                fixtures = Fixtures(failures={"north": [fault]})
+                result = await run_agent(fixtures=fixtures, limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.1))
+                failed = observations(result)[0]
+                self.assertEqual((failed["error"], failed.get("error_type")), (error, error_type))
+                self.assertNoPrivateText(result)
+
+    async def test_an_exception_class_name_is_kept_short(self):
+        Long = type("E" * 100_000, (Exception,), {})
+
+        class Raises(Fixtures):
+            async def invoke(self, call):
+                raise Long()
+
+        result = await run_agent(fixtures=Raises(delays={}), limits=ROOMY)
+        self.assertEqual(result["trace"][-1]["error_type"], "E" * 80)
+
+    async def test_a_call_id_that_is_not_plain_text_never_reaches_a_stop_event(self):
+        cases = [  # (batch, status): each stop names its call, when it can
+            ([call("\ud800", partition="north"), call("\ud800", partition="south")], "duplicate_call_id"),
+            ([call("\ud800", "place_order")], "unknown_tool"),
+            ([call("\ud800", partition="west")], "invalid_arguments"),
+        ]
+        for batch, status in cases:
+            with self.subTest(status=status):
+                result = await run_agent(scripted(calls(*batch)), limits=ROOMY)
+                stop = result["trace"][-1]
+                self.assertEqual(stop["status"], status)
+                self.assertNotIn("call_id", stop)
+                json.dumps(result, ensure_ascii=False).encode()  # UTF-8 takes all of it
+        result = await run_agent(scripted(calls(call("a", partition="west"))), limits=ROOMY)
+        self.assertEqual(result["trace"][-1]["call_id"], "a")  # a plain id is named as before
+
+    async def test_a_tool_error_that_lost_its_message_is_still_a_tool_error_and_never_crashes_the_run(self):
+        class NotFound(agent_loop.ToolError):
+            def __init__(self, key):  # forgets super().__init__: there is no message
+                self.key = key
+
+        class Loud(agent_loop.ToolError):
+            @property
+            def message(self):
+                raise RuntimeError("private text from a property")
+
+            @message.setter
+            def message(self, value):
+                pass
+
+        class Shaped(agent_loop.ToolError):
+            def __init__(self, key):
+                super().__init__(key)
+                self.message = {"not": "text"}
+
+        for raised in (NotFound, Loud, Shaped):
+            for parallel in (False, True):
+                with self.subTest(raised=raised.__name__, parallel=parallel):
+                    result = await self.lookups(raised, parallel)
+                    self.assertEqual(result["status"], "completed")
+                    self.assertEqual([(obs["error"], obs["retryable"]) for obs in observations(result)],
+                                     [("tool_error", True)] * 2)
+                    self.assertEqual([obs.get("message") for obs in observations(result)], [None, None])
+                    self.assertNoPrivateText(result)
+
+    async def test_a_tool_errors_message_is_kept_to_max_message_characters_from_any_tools(self):
+        result = await self.lookups(lambda key: agent_loop.ToolError(key * 10_000))
+        self.assertEqual([obs["message"] for obs in observations(result)],
+                         ["north" * 200, "south" * 200])
+        self.assertEqual(agent_loop.MAX_MESSAGE, 1_000)
+
+
+class WatcherTests(RuntimeTestCase):
+    """PART 4: the on_event seam: a watcher gets each event live, as the trace keeps it, and changes nothing of the run."""
+
+    async def test_a_stalled_watcher_is_cut_to_the_time_the_run_has_left_and_at_the_cancel(self):
+        async def stalls(event):
+            seen.append(event["event"])
+            await asyncio.sleep(60)
+
+        loop = asyncio.get_running_loop()
+        for why, limits, status in (("deadline", Limits(tool_seconds=5, model_seconds=5, total_seconds=0.5), "deadline"),
+                                    ("cancel", Limits(tool_seconds=5, model_seconds=5, total_seconds=30), "cancelled")):
+            with self.subTest(why=why):
+                seen, cancel = [], asyncio.Event()
+                if why == "cancel":
+                    loop.call_later(0.1, cancel.set)
+                started = loop.time()
+                result = await run_agent(limits=limits, cancel=cancel, on_event=stalls)
+                # The run returned before the watcher's own limit (tool_seconds) had passed even once.
+                self.assertLess(loop.time() - started, limits.tool_seconds)
+                self.assertEqual((result["status"], seen), (status, ["decision", "stop"]))  # it still saw the stop
+                self.assertNoTaskLeft()
+
+    async def test_the_events_received_live_equal_the_trace(self):
+        seen_plain, seen_async, order = [], [], []
+
+        async def watch(event):
+            await asyncio.sleep(0)
+            seen_async.append(event)
+
+        def mark(event):
+            order.append((event["event"], len(order)))
+            seen_plain.append(event)
+            event["event"] = "edited by the watcher"  # its own copy
+
+        for watcher, seen in ((mark, seen_plain), (watch, seen_async)):
+            with self.subTest(watcher=watcher.__name__):
+                result = await run_agent(fixtures=Fixtures(failures={"north": ["temporary"]}), on_event=watcher,
+                                         limits=ROOMY)
+                self.assertEqual(result["status"], "completed")
+                if watcher is mark:
+                    self.assertEqual([event["event"] for event in result["trace"]],
+                                     ["decision", "observations"] * 3 + ["decision", "stop"])
+                    seen[:] = [{**event, "event": e} for event, (e, _) in zip(seen, order)]
+                self.assertEqual(seen, result["trace"])
+
+    async def test_a_watcher_that_raises_or_hangs_changes_nothing(self):
+        def raises(event):
+            raise RuntimeError("private")
+
+        async def hangs(event):
+            if event["event"] == "decision":
+                await asyncio.sleep(30)
+
+        for watcher in (raises, hangs):
+            with self.subTest(watcher=watcher.__name__):
+                limits = dataclasses.replace(ROOMY, tool_seconds=0.05)
+                result = await run_agent(on_event=watcher, limits=limits)
+                self.assertEqual((result["status"], result["used"]), ("completed", {"rounds": 3, "calls": 3, "credits": 17}))
+                self.assertNoPrivateText(result)
+                self.assertNoTaskLeft()
+
+    async def test_a_cancelled_run_still_tells_its_watcher_how_it_stopped(self):
+        cancel, seen = asyncio.Event(), []
+        cancel.set()
+        result = await run_agent(cancel=cancel, on_event=seen.append, limits=ROOMY)
+        self.assertEqual(seen, result["trace"])
+        self.assertEqual(seen[-1]["status"], "cancelled")
+
+    async def test_a_decision_the_model_changes_while_its_watcher_waits_leaves_a_true_and_plain_trace(self):
+        kind, seen = ["calls"], []
+
+        async def model(history):
+            async def later():
+                await asyncio.sleep(0.005)
+                kind.append(float("nan"))
+                kind.append(kind)
+
+            asyncio.get_running_loop().create_task(later())
+            return {"kind": kind, "calls": [object()]}
+
+        async def watcher(event):
+            await asyncio.sleep(0.02)
+            seen.append(event)
+
+        result = await run_agent(model, on_event=watcher, limits=ROOMY)
+        self.assertEqual((result["status"], seen), ("invalid_decision", result["trace"]))
+        self.assertEqual(result["trace"][0]["kind"], None)  # only a short text ever stands for a kind
+        json.dumps(result, allow_nan=False)
+
+
+def on_another_loop(event):
+    """Bind event to an event loop of another thread, as a cancel event used in an earlier asyncio.run would be."""
+    async def bind():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), 0.01)
+
+    thread = threading.Thread(target=asyncio.run, args=(bind(),))
+    thread.start()
+    thread.join()
+    return event
+
+
+class MisuseTests(RuntimeTestCase):
+    """PART 4: limits, a registry, a cancel or a check the runtime cannot honour: a ValueError before the model is asked."""
 
     async def test_invalid_limits_raise_value_error(self):
         cases = [
@@ -1004,50 +1954,616 @@ class RunAgentTests(RuntimeTestCase):
                     await run_agent(model, registry=registry, limits=ROOMY)
                 self.assertEqual((str(raised.exception), asked), (message, []))
 
-    async def test_every_stop_is_traced_once_with_its_status(self):
-        result = await run_agent(fixtures=Fixtures(failures={"north": ["bug"]}), limits=ROOMY)
-        stops = [event for event in result["trace"] if event["event"] == "stop"]
-        self.assertEqual(stops, [{"event": "stop", "status": "tool_exception", **result["used"], "call_id": "r1-north",
-                                  "name": "read_partition", "error_type": "RuntimeError"}])
-        self.assertIn(result["status"], STOP_STATUSES)
+    async def test_every_tool_of_your_own_declares_how_its_arguments_are_checked(self):
+        async def async_check(args):
+            return True
 
-    async def test_the_result_is_a_deep_copy(self):
-        class Keeper(Fixtures):
+        class AsyncCall:
+            async def __call__(self, args):
+                return True
+
+        cases = [
+            (ToolSpec(1, True, True), "tool: declare its parameters, a validate function, or both"),
+            (ToolSpec(1, True, True, validate=async_check), "tool: validate must be a plain function or None"),
+            (ToolSpec(1, True, True, validate=functools.partial(async_check)), "tool: validate must be a plain function or None"),
+            (ToolSpec(1, True, True, validate=AsyncCall()), "tool: validate must be a plain function or None"),
+            (ToolSpec(1, True, True, description=None, parameters=schema()), "tool: description must be a string"),
+            (ToolSpec(1, True, True, validate=bool, parameters=schema()), "tool: validate must be a plain function or None"),
+        ]
+        for spec, message in cases:
+            with self.subTest(message=message):
+                with self.assertRaises(ValueError) as raised:
+                    await run_agent(fixtures=PlainTools({"tool": dict}), registry={"tool": spec}, accept=never_accept)
+                self.assertEqual(str(raised.exception), message)
+
+    async def test_a_cancel_the_runtime_cannot_wait_on_is_refused_before_the_model_is_asked(self):
+        for cancel, message in ((threading.Event(), "cancel must be an asyncio.Event"),
+                                (on_another_loop(asyncio.Event()), "cancel belongs to another event loop")):
+            with self.subTest(message=message):
+                asked = []
+                with self.assertRaises(ValueError) as raised:
+                    await run_agent(scripted(asked.append), cancel=cancel, limits=ROOMY)
+                self.assertEqual((str(raised.exception), asked), (message, []))
+        # And bounded itself never reads a wait that failed as a timeout.
+        fixtures = Fixtures(delays={"north": 10})
+        with self.assertRaises(Exception) as raised:
+            await bounded(lambda: fixtures.invoke(call("a", partition="north")), 5, on_another_loop(asyncio.Event()))
+        self.assertNotIsInstance(raised.exception, TimeoutError)
+        self.assertEqual((fixtures.cancelled, fixtures.active), (["a"], 0))
+
+    async def test_a_check_whose_introspection_raises_is_refused_as_a_value_error(self):
+        class Configured:
+            def __init__(self):
+                self.cfg = {}
+
+            def __getattr__(self, name):
+                return self.__dict__["cfg"][name]  # a KeyError, not an AttributeError
+
+            def __call__(self, *args):
+                return True
+
+        class Verdict:
+            @property
+            def __class__(self):
+                raise RuntimeError("private")
+
+        with self.assertRaises(ValueError):
+            await run_agent(accept=Configured(), limits=ROOMY)
+        result = await run_agent(accept=lambda answer, history: Verdict(), limits=ROOMY)
+        self.assertEqual(result["status"], "invalid_final")
+
+    async def test_async_checks_are_refused_in_every_form_inspect_can_see(self):
+        async def check(*args):
+            return True
+
+        async def generator(*args):
+            yield True
+
+        for accept in (staticmethod(check), generator, functools.partial(check)):
+            with self.subTest(accept=accept):
+                with self.assertRaises(ValueError):
+                    await run_agent(accept=accept, limits=ROOMY)
+
+
+class RaisingEq:
+    """A key that collides with "kind" and explodes when compared."""
+
+    def __hash__(self):
+        return hash("kind")
+
+    def __eq__(self, other):
+        raise RuntimeError("private: compared")
+
+
+class RaisingCopy:
+    def __deepcopy__(self, memo):
+        raise RuntimeError("private: copied")
+
+
+class SelfCopy:
+    def __deepcopy__(self, memo):
+        return self
+
+
+class RaisingBool:
+    def __bool__(self):
+        raise RuntimeError("private: truth")
+
+
+class EqualToAll(str):
+    def __eq__(self, other):
+        return True
+
+    __hash__ = str.__hash__
+
+
+class SneakyDict(dict):
+    def keys(self):
+        raise RuntimeError("private: keys")
+
+    def items(self):
+        raise RuntimeError("private: items")
+
+    def __getitem__(self, key):
+        raise RuntimeError("private: item")
+
+
+class SneakyList(list):
+    def __len__(self):
+        raise RuntimeError("private: len")
+
+    def __iter__(self):
+        raise RuntimeError("private: iter")
+
+
+def deep(levels):
+    value = []
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def cyclic_list():
+    value = []
+    value.append(value)
+    return value
+
+
+def cyclic_decision():
+    decision = {"kind": "calls", "calls": []}
+    decision["calls"].append(decision)
+    return decision
+
+
+class ForgedClass(Exception):
+    """An exception whose __class__ runs code: it raises the runtime's own Stop with a status of its choosing."""
+
+    @property
+    def __class__(self):
+        raise Stop("private status")
+
+
+class CustomBase(BaseException):
+    pass
+
+
+class HostileInputTests(RuntimeTestCase):
+    """PART 4: hostile models, tools and exceptions: whatever they raise, return or change later, the run ends on a status."""
+
+    async def test_other_base_exceptions_from_a_model_or_a_tool_are_their_fault(self):
+        faults = [GeneratorExit(), CustomBase(), BaseExceptionGroup("group", [GeneratorExit()])]
+        for fault in faults:
+            async def model(history, fault=fault):
+                raise fault
+
+            class Raises(Fixtures):
+                async def invoke(self, call, fault=fault):
+                    await super().invoke(call)
+                    raise fault
+
+            with self.subTest(fault=type(fault).__name__):
+                result = await run_agent(model, limits=ROOMY)
+                self.assertEqual(result["status"], "model_exception")
+                result = await run_agent(fixtures=Raises(delays={}), limits=ROOMY)  # a parallel batch
+                self.assertEqual((result["status"], errors(result)), ("tool_exception", ["tool_exception"] * 2))
+                self.assertEqual(asyncio.current_task().cancelling(), 0)
+        for escape in (asyncio.CancelledError(), GeneratorExit(), CustomBase()):
+            def raises(*args, escape=escape):
+                raise escape
+
+            with self.subTest(escape=type(escape).__name__):
+                self.assertEqual((await run_agent(accept=raises, limits=ROOMY))["status"], "invalid_final")
+                registry = {"get_rate": dataclasses.replace(CONVERSION_TOOLS["get_rate"], validate=raises)}
+                model = scripted(calls(call("r", "get_rate", base="EUR", quote="USD")))
+                result = await run_agent(model, fixtures=PlainTools(RateDesk().functions()), registry=registry, limits=ROOMY, accept=never_accept)
+                self.assertEqual(result["status"], "invalid_arguments")
+                self.assertEqual(asyncio.current_task().cancelling(), 0)
+
+    async def test_an_exception_cannot_forge_a_status_through_its_class(self):
+        await self.assertFaultOfModelAndTool(ForgedClass)
+
+    async def test_a_model_that_raises_cancelled_error_by_itself_is_a_model_exception(self):
+        async def model(history):
+            raise asyncio.CancelledError()
+
+        result = await run_agent(model, limits=ROOMY)
+        self.assertEqual((result["status"], result["used"]["rounds"]), ("model_exception", 1))
+        self.assertNoTaskLeft()
+
+    async def test_a_tool_that_raises_cancelled_error_by_itself_is_a_tool_exception(self):
+        class SelfCancelling(Fixtures):
             async def invoke(self, call):
-                self.last = await super().invoke(call)
-                return self.last
+                await super().invoke(call)
+                raise asyncio.CancelledError()
 
-        fixtures = Keeper()
+        fixtures = SelfCancelling()
         result = await run_agent(fixtures=fixtures, limits=ROOMY)
-        self.assertEqual(result["status"], "completed")
-        self.assertEqual(observations(result)[-1]["data"], fixtures.last)
-        self.assertIsNot(observations(result)[-1]["data"], fixtures.last)
+        self.assertEqual(result["status"], "tool_exception")
+        self.assertEqual(errors(result), ["tool_exception", "tool_exception"])
+        self.assertEqual((result["used"]["calls"], fixtures.active), (2, 0))
 
-    async def test_a_tool_that_edits_its_call_cannot_edit_history(self):
-        class Editor(Fixtures):
+    async def test_an_answer_that_is_not_json_data_never_completes(self):
+        for answer in ({1, 2}, RaisingCopy(), float("inf"), cyclic_list()):
+            async def model(history, answer=answer):
+                return {"kind": "final", "answer": answer}  # handed over as is, not copied
+
+            with self.subTest(answer=type(answer).__name__):
+                result = await run_agent(model, accept=lambda answer, history: True, limits=ROOMY)
+                self.assertEqual((result["status"], result["answer"]), ("invalid_final", None))
+
+    async def test_a_decision_changed_after_it_was_returned_changes_nothing_that_was_checked(self):
+        self.allowBlockingSteps()
+
+        def slow_check(args):
+            time.sleep(0.1)  # the model's thread strikes while this check runs
+            return valid_args("read_partition", args)
+
+        def change_later(decision, value):
+            time.sleep(0.03)
+            decision["calls"][0]["arguments"]["partition"] = value
+
+        for value in ("../etc/passwd", (1, 2), object()):
+            async def model(history, value=value):
+                if history:
+                    return final("done")
+                decision = calls(call("a", partition="north"))
+                threading.Thread(target=change_later, args=(decision, value)).start()
+                return decision
+
+            with self.subTest(value=repr(value)[:20]):
+                registry = {"read_partition": dataclasses.replace(TOOLS["read_partition"], validate=slow_check)}
+                fixtures = Fixtures(delays={})
+                result = await run_agent(model, fixtures=fixtures, registry=registry, limits=ROOMY)
+                self.assertEqual(result["history"][0]["calls"], [call("a", partition="north")])
+                self.assertEqual(observations(result)[0]["data"]["partition"], "north")
+
+        def change_answer(answer):
+            time.sleep(0.03)
+            answer["total_cents"] = 999999
+
+        def slow_accept(answer, history):
+            time.sleep(0.1)
+            return accepted(answer, history)
+
+        async def answers(history):
+            decision = await fake_model(history)
+            if decision["kind"] == "final":
+                threading.Thread(target=change_answer, args=(decision["answer"],)).start()
+            return decision
+
+        result = await run_agent(answers, accept=slow_accept, limits=ROOMY)
+        self.assertEqual((result["status"], result["answer"]), ("completed", PLAN))
+
+
+# Invariants under inputs nobody chose: a seeded property suite. A failing case prints its seed;
+# replay it alone with AGENT_LOOP_SEED=<seed> python3 -m unittest test_agent_loop.InvariantTests
+
+SEED = int(os.environ.get("AGENT_LOOP_SEED", "20261129"))
+ONE_CASE = "AGENT_LOOP_SEED" in os.environ
+
+
+def seeds(count):
+    return [SEED] if ONE_CASE else [SEED + i for i in range(count)]
+
+
+# Seeded runs that wait (for a delay, a timeout, a hanging model) overlap: SIDE_BY_SIDE of them run at once, each
+# with its own generator, fixtures, cancel event and checks. Not more: most runs are CPU-bound, and sharing the CPU
+# among more would push the 10-20 ms model limits over where they would not fire alone (at 25, a third of the random
+# budgets ended model_timeout), which is not what a seed replayed alone does. CASE tells a task whose it is.
+SIDE_BY_SIDE = 5
+CASE = contextvars.ContextVar("CASE", default=None)
+
+
+DEEP = deep(100_000)
+HOSTILE_FACTORIES = [
+    lambda: None, lambda: 0, lambda: -1, lambda: True, lambda: 1.5, lambda: float("nan"), lambda: float("inf"),
+    lambda: 10**5000, lambda: 2**70, lambda: "", lambda: "x" * 100, lambda: "text from outside", lambda: b"bytes",
+    lambda: (1, 2), lambda: {1, 2}, lambda: frozenset(), lambda: 1j, lambda: [], lambda: {}, lambda: [[[]]],
+    lambda: cyclic_list(), lambda: cyclic_decision(), lambda: DEEP, lambda: deep(40), lambda: RaisingCopy(),
+    lambda: SelfCopy(), lambda: RaisingBool(), lambda: EqualToAll("calls"), lambda: EqualToAll("final"),
+    lambda: SneakyDict(kind="calls", calls=[]), lambda: SneakyList([1]), lambda: {RaisingEq(): "calls"},
+    lambda: threading.Lock(), lambda: (i for i in range(3)), lambda: object(), lambda: print, lambda: Stop("completed"),
+    lambda: {"kind": "final", "answer": RaisingCopy()}, lambda: {"kind": "final", "answer": float("nan")},
+    lambda: {"kind": "final", "answer": DEEP}, lambda: {"kind": "final", "answer": 10**5000},
+    lambda: {"kind": "calls", "calls": RaisingCopy()}, lambda: {"kind": "calls", "calls": [RaisingCopy()]},
+    lambda: {"kind": "calls", "calls": SneakyList([call("a", partition="north")])},
+    lambda: {"kind": RaisingCopy(), "calls": []}, lambda: {"kind": SneakyList(), "answer": 1},
+    lambda: {"kind": "calls", "calls": [SneakyDict(call_id="a", name="read_partition", arguments={})]},
+    lambda: {"kind": "calls", "calls": [{"call_id": EqualToAll("a"), "name": "read_partition", "arguments": {"partition": "north"}}]},
+    lambda: {"kind": "calls", "calls": [{"call_id": "a", "name": EqualToAll("read_partition"), "arguments": {"partition": "north"}}]},
+    lambda: {"kind": "calls", "calls": [{"call_id": "a", "name": "read_partition", "arguments": {"partition": EqualToAll("north")}}]},
+    lambda: {"kind": "calls", "calls": [{"call_id": "a", "name": "read_partition", "arguments": SneakyDict(partition="north")}]},
+    lambda: {"kind": "calls", "calls": [{"call_id": "a", "name": "compute_plan", "arguments": {"rows": DEEP}}]},
+    lambda: {"kind": "calls", "calls": [{"call_id": "a", "name": "compute_plan", "arguments": {"rows": cyclic_list()}}]},
+    lambda: {"kind": "calls", "calls": [{"call_id": "a", "name": "read_partition", "arguments": {"partition": "north", RaisingEq(): 1}}]},
+]
+
+
+def hostile(rng):
+    return rng.choice(HOSTILE_FACTORIES)()
+
+
+def mutate(rng, value, depth=0):
+    """Replace, drop or add one thing somewhere inside a copy of value."""
+    value = copy.deepcopy(value)
+    if type(value) is dict and value and depth < 6 and rng.random() < 0.7:
+        key = rng.choice(list(value))
+        action = rng.random()
+        if action < 0.6:
+            value[key] = mutate(rng, value[key], depth + 1)
+        elif action < 0.8:
+            del value[key]
+        else:
+            value[rng.choice(["extra", "kind", "calls", "answer", 7])] = hostile(rng)
+        return value
+    if type(value) is list and value and depth < 6 and rng.random() < 0.7:
+        index = rng.randrange(len(value))
+        action = rng.random()
+        if action < 0.7:
+            value[index] = mutate(rng, value[index], depth + 1)
+        elif action < 0.85:
+            value.append(copy.deepcopy(value[index]))
+        else:
+            del value[index]
+        return value
+    return hostile(rng)
+
+
+def hostile_model(rng):
+    """A model that, round by round, behaves well, returns anything, raises, cancels itself or hangs."""
+    async def model(history):
+        roll = rng.random()
+        if roll < 0.30:
+            return await fake_model(history)
+        if roll < 0.65:
+            return mutate(rng, await fake_model(history))
+        if roll < 0.85:
+            return hostile(rng)
+        behaviour = rng.choice(["raise", "cancel_itself", "hang", "stop", "timeout", "keyboard_free"])
+        if behaviour == "raise":
+            raise rng.choice([RuntimeError, ValueError, KeyError, TemporaryError, PermissionError])("private detail")
+        if behaviour == "cancel_itself":
+            raise asyncio.CancelledError("private detail")
+        if behaviour == "hang":
+            await asyncio.sleep(30)
+        if behaviour == "stop":
+            raise Stop(rng.choice(["completed", "private detail"]))
+        if behaviour == "timeout":
+            raise TimeoutError("private detail")
+        return {"kind": "final", "answer": PLAN}
+    return model
+
+
+class HostileTools(Fixtures):
+    """Fixtures whose calls may also return anything, raise anything, cancel themselves or hang."""
+
+    def __init__(self, rng, chance=0.5, **options):
+        super().__init__(**options)
+        self.rng, self.chance = rng, chance
+
+    async def invoke(self, call):
+        result = await super().invoke(call)
+        if self.rng.random() >= self.chance:
+            return result
+        behaviour = self.rng.choice(["return", "return", "mutated", "raise", "cancel_itself", "hang", "stop"])
+        if behaviour == "return":
+            return hostile(self.rng)
+        if behaviour == "mutated":
+            return mutate(self.rng, result)
+        if behaviour == "raise":
+            raise self.rng.choice([RuntimeError, ValueError, OSError, LookupError, TimeoutError])("private detail")
+        if behaviour == "cancel_itself":
+            raise asyncio.CancelledError("private detail")
+        if behaviour == "hang":
+            await asyncio.sleep(30)
+        raise Stop(self.rng.choice(["completed", "cancelled", "private detail"]))
+
+
+def random_limits(rng, fast=True):
+    return Limits(
+        rounds=rng.randint(0, 7), calls=rng.randint(0, 7), credits=rng.randint(0, 35), attempts=rng.randint(0, 3),
+        tool_seconds=rng.choice([0.01, 0.03, 0.1]) if fast else 5, model_seconds=rng.choice([0.01, 0.03, 0.1]) if fast else 5,
+        total_seconds=rng.choice([0.05, 0.15, 0.3]) if fast else 30,
+    )
+
+
+def random_registry(rng):
+    return {name: dataclasses.replace(spec, read_only=rng.random() > 0.1, parallel_safe=rng.random() > 0.4)
+            for name, spec in TOOLS.items()}
+
+
+def random_failures(rng):
+    faults = ["temporary", "permission", "bug", "timeout"]
+    return {key: [rng.choice(faults) for _ in range(rng.randint(0, 2))] for key in ("north", "south", "compute_plan")}
+
+
+WHY_FIELDS = ("call_id", "name", "reason", "error_type", "rejected")  # what a failed run's stop event may say
+
+
+class InvariantTests(RuntimeTestCase):
+    """PART 4: the invariants of every result, on seeded random runs and on named hostile cases."""
+
+    def assertInvariants(self, result, limits, fixtures, seed, *, default_accept=True):
+        where = f"seed {seed} (replay: AGENT_LOOP_SEED={seed})"
+        self.assertEqual(set(result), {"status", "answer", "used", "history", "trace"}, where)
+        self.assertIn(result["status"], STOP_STATUSES, where)
+        json.dumps(result, allow_nan=False)  # the result is plain JSON data, whatever came in
+        used = result["used"]
+        for budget in ("rounds", "calls", "credits"):
+            self.assertLessEqual(used[budget], getattr(limits, budget), where)
+        stops = [event for event in result["trace"] if event["event"] == "stop"]
+        self.assertEqual(len(stops), 1, where)
+        self.assertEqual({key: stops[0][key] for key in ("event", "status", *used)},
+                         {"event": "stop", "status": result["status"], **used}, where)
+        self.assertLessEqual(set(stops[0]), {"event", "status", *used, *WHY_FIELDS}, where)
+        self.assertEqual(result["trace"][-1]["event"], "stop", where)
+        self.assertNotIn("private", json.dumps(result), where)
+        if result["status"] == "completed":
+            if default_accept:
+                self.assertTrue(accepted(result["answer"], result["history"]), where)
+                self.assertEqual(result["answer"], PLAN, where)
+        else:
+            self.assertIsNone(result["answer"], where)
+        admitted = [item["call_id"] for record in result["history"] for item in record["calls"]]
+        self.assertEqual(len(admitted), len(set(admitted)), where)
+        for record in result["history"]:
+            self.assertEqual([obs["call_id"] for obs in record["observations"]],
+                             [item["call_id"] for item in record["calls"]], where)
+        self.assertFixturesClean(fixtures, where)
+        self.assertLessEqual(set(fixtures.started), set(admitted), where)  # nothing ran that was not admitted
+        self.assertEqual(used["calls"], len(fixtures.started), where)  # every started call counted once
+
+    def assertFixturesClean(self, fixtures, where):
+        self.assertEqual(fixtures.active, 0, where)
+        self.assertEqual(sorted(fixtures.started), sorted(fixtures.finished), where)
+        self.assertEqual(len(fixtures.started), len(set(fixtures.started)), where)
+        self.assertNoTaskLeft()
+
+    async def asyncSetUp(self):
+        # Each task is marked with the case of the task that made it (the context it inherits), so that a case
+        # can check that none of its own tasks is left while other cases still run.
+        self.owners = weakref.WeakKeyDictionary()
+
+        def marked(loop, coro, **options):
+            task = asyncio.Task(coro, loop=loop, **options)
+            self.owners[task] = CASE.get()
+            return task
+
+        asyncio.get_running_loop().set_task_factory(marked)
+
+    def assertNoTaskLeft(self):
+        """No task is left: inside a case, none of the case's own (other cases may still be running)."""
+        case = CASE.get()
+        if case is None:
+            return super().assertNoTaskLeft()
+        self.assertEqual({task for task in asyncio.all_tasks() if self.owners.get(task) is case},
+                         {asyncio.current_task()})
+
+    async def side_by_side(self, case, count):
+        """Run case(seed) for each of seeds(count), SIDE_BY_SIDE at a time; report each failure under its seed."""
+        chosen = seeds(count)
+        for start in range(0, len(chosen), SIDE_BY_SIDE):
+            group = chosen[start:start + SIDE_BY_SIDE]
+            failures = await asyncio.gather(*(self.one_case(case, seed) for seed in group))
+            for seed, failure in zip(group, failures):
+                with self.subTest(seed=seed):
+                    if failure is not None:
+                        raise failure
+            self.assertNoTaskLeft()  # and nothing of the group outlived it
+
+    async def one_case(self, case, seed):
+        """case(seed), run in a task of its own; what it raised, or None."""
+        task = asyncio.current_task()
+        CASE.set(task)  # this task's context only; the tasks it makes inherit it
+        self.owners[task] = task
+        try:
+            await case(seed)
+        except (Exception, asyncio.CancelledError) as failure:
+            return failure
+        return None
+
+    async def test_hostile_decisions_never_break_the_runtime(self):
+        async def case(seed):
+            rng = random.Random(seed)
+            limits = Limits(tool_seconds=1, model_seconds=0.02, total_seconds=10)  # a hanging model costs 20 ms
+            fixtures = Fixtures(delays={})
+            # Now and then a final check that accepts anything: what completes must still be plain data.
+            permissive = rng.random() < 0.2
+            accept = (lambda answer, history: True) if permissive else accepted
+            result = await run_agent(hostile_model(rng), limits=limits, fixtures=fixtures, accept=accept)
+            self.assertInvariants(result, limits, fixtures, seed, default_accept=not permissive)
+
+        await self.side_by_side(case, 1200)
+
+    async def test_hostile_tools_never_break_the_runtime(self):
+        async def case(seed):
+            rng = random.Random(seed)
+            limits = Limits(tool_seconds=0.02, total_seconds=10)
+            fixtures = HostileTools(rng, delays={})
+            registry = random_registry(rng) if rng.random() < 0.5 else None
+            result = await run_agent(limits=limits, fixtures=fixtures, registry=registry)
+            self.assertInvariants(result, limits, fixtures, seed)
+
+        await self.side_by_side(case, 300)
+
+    async def test_random_faults_and_budgets_keep_every_invariant(self):
+        async def case(seed):
+            rng = random.Random(seed)
+            limits = random_limits(rng)
+            delays = {key: rng.choice([0, 0.001, 0.01]) for key in ("north", "south", "compute_plan")}
+            fixtures = Fixtures(failures=random_failures(rng), delays=delays, inject=rng.random() < 0.3)
+            result = await run_agent(limits=limits, fixtures=fixtures, registry=random_registry(rng))
+            self.assertInvariants(result, limits, fixtures, seed)
+
+        await self.side_by_side(case, 150)
+
+    async def test_runs_cancelled_at_random_instants_clean_up_first(self):
+        async def case(seed):
+            await self.cancelled_run(random.Random(seed), seed)
+
+        await self.side_by_side(case, 150)
+
+    async def cancelled_run(self, rng, seed):
+        where = f"seed {seed} (replay: AGENT_LOOP_SEED={seed})"
+        limits = dataclasses.replace(ROOMY, tool_seconds=rng.choice([0.02, 5]))
+        how = rng.choice(["event", "task"])
+        when = rng.choice(["timer", "tool_finish", "tool_start"])
+        cancel, run = asyncio.Event(), None
+        fired = []
+
+        def fire():
+            fired.append(when)
+            if how == "event":
+                cancel.set()
+            else:
+                run.cancel()
+
+        class Trigger(Fixtures):
             async def invoke(self, call):
-                result = await super().invoke(call)
-                call["call_id"] = "forged"
-                call["arguments"].clear()
-                return result
+                if when == "tool_start" and rng.random() < 0.4:
+                    fire()
+                try:
+                    return await super().invoke(call)
+                finally:
+                    if when == "tool_finish" and rng.random() < 0.4:
+                        fire()
 
-        result = await run_agent(fixtures=Editor(), limits=ROOMY)
-        self.assertEqual(result["status"], "completed")
-        self.assertEqual(result["history"][0]["calls"][0], call("r1-north", partition="north"))
-        self.assertEqual(observations(result)[0]["arguments"], {"partition": "north"})
+        delays = {key: rng.choice([0, 0.002, 0.01, 0.03]) for key in ("north", "south", "compute_plan")}
+        fixtures = Trigger(delays=delays, failures=random_failures(rng) if rng.random() < 0.3 else {})
+        registry = random_registry(rng) if rng.random() < 0.5 else None
+        run = asyncio.create_task(run_agent(limits=limits, fixtures=fixtures, cancel=cancel, registry=registry))
+        if when == "timer":
+            asyncio.get_running_loop().call_later(rng.choice([0, 0.001, 0.005, 0.02, 0.04]), fire)
+        try:
+            result = await run
+        except asyncio.CancelledError:
+            self.assertEqual(how, "task", where)
+            self.assertFixturesClean(fixtures, where)  # every started tool was cancelled and awaited first
+            return
+        self.assertInvariants(result, limits, fixtures, seed)
+        if how == "event" and fired and when != "timer":
+            # Set while a tool ran: the cancel wins in bounded, and is checked before any fatal observation.
+            self.assertEqual(result["status"], "cancelled", where)
 
-    async def test_the_runtime_touches_only_invoke(self):
-        class OnlyInvoke:
-            __slots__ = ()
+    async def test_a_tool_result_that_is_not_json_data_is_a_tool_exception(self):
+        class Returns(Fixtures):
+            def __init__(self, value):
+                super().__init__(delays={})
+                self.value = value
 
             async def invoke(self, call):
-                return await Fixtures(delays={}).invoke(call)
+                await super().invoke(call)
+                return self.value
 
-        result = await run_agent(fixtures=OnlyInvoke(), limits=ROOMY)
-        self.assertEqual((result["status"], result["used"]["calls"]), ("completed", 3))
+        for value in (RaisingCopy(), {1, 2}, float("nan"), cyclic_list(), 2**70, deep(40), {1: "x"}, (1,), b"x"):
+            with self.subTest(value=type(value).__name__):
+                fixtures = Returns(value)
+                result = await run_agent(fixtures=fixtures, limits=ROOMY)
+                self.assertEqual((result["status"], errors(result)), ("tool_exception", ["tool_exception"] * 2))
+                self.assertEqual(result["used"], {"rounds": 1, "calls": 2, "credits": 7})
+                self.assertInvariants(result, ROOMY, fixtures, "specific")
+
+    async def test_specific_hostile_decisions(self):
+        cases = [  # (decision, status)
+            (cyclic_decision(), "invalid_call"), (DEEP, "invalid_decision"), ({"kind": "final", "answer": DEEP}, "invalid_final"),
+            ({"kind": "final", "answer": 10**5000}, "invalid_final"), ({"kind": "final", "answer": float("nan")}, "invalid_final"),
+            ({"kind": RaisingCopy(), "calls": []}, "invalid_decision"), ({"kind": "calls", "calls": [RaisingCopy()]}, "invalid_call"),
+            ({RaisingEq(): "calls", "calls": []}, "invalid_decision"),
+            ({"kind": EqualToAll("calls"), "calls": [call("a", partition="north")]}, "invalid_decision"),
+            (SneakyDict(kind="calls"), "invalid_decision"),
+        ]
+        for decision, status in cases:
+            async def model(history, decision=decision):
+                return decision  # handed over as is, never copied
+
+            with self.subTest(decision=type(decision).__name__, status=status):
+                fixtures = Fixtures(delays={})
+                result = await run_agent(model, fixtures=fixtures, accept=lambda answer, history: True, limits=ROOMY)
+                self.assertEqual((result["status"], result["used"]["calls"]), (status, 0))
+                self.assertInvariants(result, ROOMY, fixtures, "specific", default_accept=False)
 
 
-# PART 5
+# PART 5: the demo and the command line
 
 # What `python3 agent_loop.py demo` prints, byte for byte (the article prints the same).
 DEMO_TRANSCRIPT = """\
@@ -1233,7 +2749,17 @@ def run_command(*args):
     return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
 
 
+def help_as(program):
+    """What --help prints when the program was started under this name."""
+    with unittest.mock.patch.object(sys, "argv", [program, "--help"]), contextlib.redirect_stdout(io.StringIO()) as out:
+        with contextlib.suppress(SystemExit):
+            agent_loop.main(["--help"])
+    return out.getvalue()
+
+
 class CommandLineTests(unittest.TestCase):
+    """PART 5: the command line: the demo's transcript byte for byte, its help, and a reader that stops reading."""
+
     def test_the_demo_prints_the_transcript_exactly(self):
         for args in (["demo"], []):
             with self.subTest(args=args):
@@ -1241,15 +2767,482 @@ class CommandLineTests(unittest.TestCase):
                 self.assertEqual((done.returncode, done.stderr), (0, ""))
                 self.assertEqual(done.stdout, DEMO_TRANSCRIPT)
 
-    def test_help_lists_the_commands(self):
+    def test_help_lists_every_command_of_the_parts_there_are(self):
         done = run_command("--help")
         self.assertEqual(done.returncode, 0)
-        for command in ("demo", "scenarios", "bench"):
+        self.assertIn("demo", agent_loop.COMMANDS)
+        for command, (help, _, _) in agent_loop.COMMANDS.items():
             self.assertIn(command, done.stdout)
+            self.assertIn(help.split()[0], done.stdout)
+
+    def test_help_names_the_program_as_it_was_started(self):
+        self.assertTrue(help_as("/usr/local/bin/agent-loop").startswith("usage: agent-loop"))
+        self.assertTrue(help_as("agent_loop.py").startswith("usage: agent_loop.py"))
+
+    def test_a_reader_that_stops_reading_gets_no_traceback(self):
+        flags = ["-O"] if sys.flags.optimize else []
+        process = subprocess.Popen([sys.executable, *flags, os.path.join(HERE, "agent_loop.py"), "demo"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        process.stdout.close()  # like `| head -1` that has already read its line: every write now fails
+        stderr = process.stderr.read()
+        process.wait(timeout=60)
+        process.stderr.close()
+        self.assertEqual(stderr, b"")
+        self.assertEqual(process.returncode, 1)
+
+
+def cut_core(folder, above=6):
+    """Write into folder agent_loop.py cut just above PART `above`, with its own __main__ block, and what its tests
+    read."""
+    with open(os.path.join(HERE, "agent_loop.py"), encoding="utf-8") as file:
+        source = file.read()
+    core, main = source[:source.index(f"\n# PART {above}:")], source[source.index('\nif __name__ == "__main__":'):]
+    with open(os.path.join(folder, "agent_loop.py"), "w", encoding="utf-8") as file:
+        file.write(core + "\n\n" + main)
+    for name in ("test_agent_loop.py", "result_ownership.py", "verify_ownership.py", "expected.json"):
+        shutil.copy(os.path.join(HERE, name), folder)
+    shutil.copytree(os.path.join(HERE, "schema_suite"), os.path.join(folder, "schema_suite"))
+
+
+CORE_ALONE = {}  # the run of the core's tests against the cut file: started when the whole suite loads, as it is slow
+
+
+def start_the_core_alone():
+    """Start the core's tests against the cut file, in a Python of its own, beside the rest of the suite."""
+    folder = tempfile.mkdtemp(prefix="agent_loop_core_")
+    cut_core(folder)
+    flags = ["-O"] if sys.flags.optimize else []
+    command = [sys.executable, *flags, "-m", "unittest", *(f"test_agent_loop.{name}" for name in CORE_TESTS)]
+    CORE_ALONE.update(folder=folder, process=subprocess.Popen(command, cwd=folder, stdout=subprocess.PIPE,
+                                                               stderr=subprocess.STDOUT, text=True))
+
+
+def load_tests(loader, tests, pattern):
+    """The whole suite, loaded: start the core's own run now, so that it overlaps the others."""
+    if not CORE_ALONE:
+        start_the_core_alone()
+    return tests
+
+
+class StandaloneCoreTests(unittest.TestCase):
+    """PART 5: PART 1-5 stand alone: the file cut above PART 6 prints the demo's transcript and passes the core's tests."""
+
+    def test_the_cut_core_prints_the_demos_transcript(self):
+        with tempfile.TemporaryDirectory() as folder:
+            cut_core(folder)
+            for args in (["demo"], []):
+                with self.subTest(args=args):
+                    flags = ["-O"] if sys.flags.optimize else []
+                    done = subprocess.run([sys.executable, *flags, "agent_loop.py", *args], cwd=folder,
+                                          capture_output=True, text=True, timeout=120, check=False)
+                    self.assertEqual((done.returncode, done.stderr, done.stdout), (0, "", DEMO_TRANSCRIPT))
+
+    def test_the_readmes_prototype_runs_on_part_1_to_6_alone(self):
+        (example,) = code_blocks(readme_section("Copy it into your own prototype"), "python")
+        with tempfile.TemporaryDirectory() as folder:
+            cut_core(folder, above=7)
+            done = subprocess.run([sys.executable, "-c", example], cwd=folder, capture_output=True, text=True,
+                                  timeout=120, check=False)
+        self.assertEqual((done.returncode, done.stderr), (0, ""))
+        self.assertEqual(done.stdout, re.search(r"print\(.*\)  # (.*)", example)[1] + "\n")
+
+    def test_the_cut_core_passes_the_cores_tests(self):
+        if not CORE_ALONE:  # this test run alone, by name
+            start_the_core_alone()
+        process = CORE_ALONE["process"]
+        self.addCleanup(shutil.rmtree, CORE_ALONE["folder"], True)
+        output, _ = process.communicate(timeout=600)
+        self.assertEqual(process.returncode, 0, output[-3000:])
+        self.assertRegex(output, r"\nRan [1-9][0-9]+ tests")
 
 
 
-# PART 7: the scenario atlas
+# PART 6: your own tools: plain and async functions behind the same runtime
+
+class FunctionToolsTests(LookupTool, RuntimeTestCase):
+    """PART 6: FunctionTools: your own plain and async functions as tools, each plain one in a thread of its own."""
+
+    async def run_conversion(self, desk, model=conversion_model, **options):
+        tools = agent_loop.FunctionTools(desk.functions())
+        options.setdefault("limits", ROOMY)
+        result = await run_agent(model, fixtures=tools, registry=CONVERSION_TOOLS, accept=conversion_accepted, **options)
+        return result, tools
+
+    async def test_own_task_completes_through_the_unchanged_runtime(self):
+        desk = RateDesk()
+        result, tools = await self.run_conversion(desk)
+        self.assertEqual(result["status"], "completed")
+        self.assertEqual(result["used"], {"rounds": 3, "calls": 2, "credits": 11})
+        self.assertEqual(result["answer"], {"amount_cents": 12345, "rate_micros": 1085000, "converted_cents": 13394})
+        self.assertEqual((desk.ran, tools.abandoned), (["get_rate", "convert"], []))
+
+    async def test_a_returned_object_changed_after_delivery_is_not_followed_by_history(self):
+        desk = RateDesk()
+        result, _ = await self.run_conversion(desk)
+        self.assertEqual(desk.cache[("EUR", "USD")]["rate_micros"], 1_085_001)  # the tool changed its object
+        self.assertEqual(result["history"][0]["observations"][0]["data"]["rate_micros"], 1_085_000)
+        self.assertEqual(result["status"], "completed")
+
+    async def test_own_validator_refuses_a_call_and_nothing_starts(self):
+        desk = RateDesk()
+        model = scripted(calls(call("r1", "get_rate", base="EUR", quote="USD"), call("r2", "get_rate", base="EUR", quote="EUR")))
+        result, _ = await self.run_conversion(desk, model)
+        self.assertEqual(result["status"], "invalid_arguments")
+        self.assertEqual((result["used"]["calls"], desk.ran), (0, []))
+
+    async def test_a_plain_function_that_times_out_is_abandoned_and_its_late_result_dropped(self):
+        gate, desk, views = threading.Event(), RateDesk(), []
+        desk.block_first_convert = gate
+
+        async def model(history):
+            if any(obs.get("error") == "tool_timeout" for record in history for obs in record["observations"]):
+                if not gate.is_set():
+                    gate.set()  # let the abandoned thread finish before this decision
+                    self.assertTrue(await tools.wait_abandoned(30))
+                    views.append(history)
+            return await conversion_model(history)
+
+        tools = agent_loop.FunctionTools(desk.functions())
+        limits = dataclasses.replace(ROOMY, tool_seconds=0.2)
+        result = await run_agent(model, fixtures=tools, registry=CONVERSION_TOOLS, accept=conversion_accepted, limits=limits)
+        self.assertEqual(result["status"], "completed")
+        self.assertEqual(result["used"], {"rounds": 4, "calls": 3, "credits": 15})
+        self.assertEqual(tools.abandoned, ["convert-2"])
+        self.assertEqual(desk.ran, ["get_rate", "convert", "convert"])  # the first thread ran to its end
+        self.assertEqual(errors(result), ["tool_timeout"])
+        attempts = [obs["data"].get("attempt") for obs in observations(result) if obs["ok"]]
+        self.assertEqual(attempts, [None, 2])  # the late result of attempt 1 reached no round
+        self.assertEqual(len(views), 1)
+        self.assertNotIn(1, [obs.get("data", {}).get("attempt") for record in views[0] for obs in record["observations"]])
+
+    async def test_two_plain_functions_in_one_parallel_batch_overlap(self):
+        meeting = threading.Barrier(2, timeout=30)  # only two threads running at once can pass it
+
+        def meet(side):
+            meeting.wait()
+            return {"side": side}
+
+        registry = {"meet": ToolSpec(1, True, True, validate=lambda args: True)}
+        model = scripted(calls(call("a", "meet", side="left"), call("b", "meet", side="right")))
+        result = await run_agent(model, fixtures=agent_loop.FunctionTools({"meet": meet}), registry=registry, limits=ROOMY, accept=never_accept)
+        self.assertEqual(result["trace"][1]["parallel"], True)
+        self.assertEqual([obs["data"] for obs in observations(result)], [{"side": "left"}, {"side": "right"}])
+        self.assertEqual(result["used"]["calls"], 2)
+
+    async def test_function_exceptions_pass_through_for_the_runtime_to_classify(self):
+        # SystemExit only from a thread, where it means nothing; from async code asyncio lets it end the program.
+        faults = [TemporaryError("private"), PermissionError("private"), ValueError("private"), SystemExit(3)]
+        for fault, error in zip(faults, ["temporary", "permission_denied", "tool_exception", "tool_exception"]):
+            async def async_fails(**args):
+                raise fault
+
+            def plain_fails(**args):
+                raise fault
+
+            for function in (async_fails, plain_fails)[isinstance(fault, SystemExit):]:
+                with self.subTest(fault=fault, function=function.__name__):
+                    registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
+                    result = await run_agent(scripted(calls(call("a", "f"))), fixtures=agent_loop.FunctionTools({"f": function}),
+                                             registry=registry, limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
+                    self.assertEqual(errors(result), [error])
+                    self.assertEqual(result["used"]["calls"], 1)
+                    self.assertNoPrivateText(result)
+
+    async def test_cancelling_a_thread_call_abandons_it(self):
+        gate, cancel = threading.Event(), asyncio.Event()
+        started = threading.Event()
+
+        def waits():
+            started.set()
+            gate.wait(30)
+            return {"late": True}
+
+        tools = agent_loop.FunctionTools({"waits": waits})
+        registry = {"waits": ToolSpec(1, True, True, validate=lambda args: True)}
+        run = asyncio.create_task(run_agent(scripted(calls(call("w", "waits"))), fixtures=tools, registry=registry,
+                                            cancel=cancel, limits=ROOMY, accept=never_accept))
+        await wait_until(started.is_set)
+        cancel.set()
+        result = await run
+        self.assertEqual((result["status"], errors(result), tools.abandoned), ("cancelled", ["cancelled"], ["w"]))
+        self.assertFalse(await tools.wait_abandoned(0.01))
+        gate.set()
+        self.assertTrue(await tools.wait_abandoned(30))
+        self.assertNotIn("late", repr(result))
+
+    async def test_a_call_given_up_before_its_thread_started_never_runs(self):
+        held, ran = [], []
+
+        class Held(agent_loop.FunctionTools):
+            def _start(self, work):
+                held.append(work)  # no thread has picked the call up yet
+
+        def tool(**args):
+            ran.append(args)
+            return {}
+
+        tools = Held({"f": tool})
+        registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
+        result = await run_agent(scripted(calls(call("a", "f"))), fixtures=tools, registry=registry,
+                                 limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.05), accept=never_accept)
+        self.assertEqual((errors(result), result["used"]["calls"]), (["tool_timeout"], 1))
+        held[0]()  # the thread starts at last, after the runtime gave the call up
+        self.assertEqual((ran, tools.abandoned), ([], []))
+
+    async def test_a_cancelled_wait_for_abandoned_threads_leaves_no_unread_outcome(self):
+        gate, started = threading.Event(), threading.Event()
+
+        def fails_late():
+            started.set()
+            gate.wait(30)
+            raise RuntimeError("private late failure")
+
+        tools = agent_loop.FunctionTools({"f": fails_late})
+        registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
+        await run_agent(scripted(calls(call("a", "f"))), fixtures=tools, registry=registry,
+                        limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.05), accept=never_accept)
+        self.assertEqual(tools.abandoned, ["a"])
+        with self.assertRaises(TimeoutError):
+            await asyncio.wait_for(tools.wait_abandoned(30), 0.05)
+        with self.assertNoLogs("asyncio", level="ERROR"):
+            gate.set()
+            self.assertTrue(await tools.wait_abandoned(30))
+            for _ in range(3):
+                await asyncio.sleep(0)
+            del tools
+            gc.collect()
+
+    async def test_a_coroutine_returned_by_an_abandoned_thread_is_closed(self):
+        gate = threading.Event()
+
+        async def convert(**args):
+            return {}
+
+        def late(**args):
+            gate.wait(30)
+            return convert()
+
+        tools = agent_loop.FunctionTools({"f": late})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            await run_agent(scripted(calls(call("a", "f"))), fixtures=tools, registry={"f": ToolSpec(1, True, True, validate=lambda args: True)},
+                            limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.05), accept=never_accept)
+            gate.set()
+            self.assertTrue(await tools.wait_abandoned(30))
+            del tools  # the last reference to the late result
+            gc.collect()
+        self.assertEqual([str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)], [])
+
+    async def test_an_exception_class_whose_name_raises_is_still_a_fault(self):
+        class Meta(type):
+            @property
+            def __name__(cls):
+                raise GeneratorExit("private")
+
+        class Odd(BaseException, metaclass=Meta):
+            pass
+
+        def plain(**args):
+            raise Odd()
+
+        await self.assertFaultOfModelAndTool(Odd)
+        tools = agent_loop.FunctionTools({"f": plain})
+        result = await run_agent(scripted(calls(call("a", "f"))), fixtures=tools, registry={"f": ToolSpec(1, True, True, validate=lambda args: True)},
+                                 limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
+        self.assertEqual(errors(result), ["tool_exception"])  # not a timeout: the thread set its outcome
+        self.assertTrue(await tools.wait_abandoned(1))
+
+    async def test_only_the_runtimes_own_fault_names_a_class_of_its_choosing(self):
+        Fault = agent_loop._Fault
+        for what, error_type in ((Fault(123), "_Fault"), (Fault("password=hunter2 private"), "_Fault"),
+                                 (Fault(StopIteration), "StopIteration")):
+            async def model(history, what=what):
+                raise what
+
+            with self.subTest(what=what):
+                result = await run_agent(model, limits=ROOMY)
+                self.assertEqual((result["status"], result["trace"][-1]["error_type"]),
+                                 ("model_exception", error_type))
+                self.assertNoPrivateText(result)
+
+                def tool(key, what=what):
+                    raise what
+
+                tools = agent_loop.FunctionTools({"lookup": tool})
+                result = await run_agent(scripted(calls(call("a", "lookup", key="k"))), registry=self.LOOKUP,
+                                         fixtures=tools, limits=ROOMY, accept=never_accept)
+                self.assertEqual([(obs["error"], obs["error_type"]) for obs in observations(result)],
+                                 [("tool_exception", error_type)])
+        # The runtime's own faults name the class that was raised in the first place.
+        for raised in (asyncio.CancelledError, GeneratorExit, Stop):
+            async def model(history, raised=raised):
+                raise raised("private")
+
+            with self.subTest(model_raised=raised.__name__):
+                result = await run_agent(model, limits=ROOMY)
+                self.assertEqual(result["trace"][-1]["error_type"], raised.__name__)
+        for raised in (SystemExit, StopIteration, KeyboardInterrupt):
+            def tool(key, raised=raised):
+                raise raised("private")
+
+            with self.subTest(thread_raised=raised.__name__):
+                result = await run_agent(scripted(calls(call("a", "lookup", key="k"))), registry=self.LOOKUP,
+                                         fixtures=agent_loop.FunctionTools({"lookup": tool}), limits=ROOMY, accept=never_accept)
+                self.assertEqual(result["trace"][-1]["error_type"], raised.__name__)
+                self.assertNoPrivateText(result)
+
+    async def test_your_own_tools_need_your_own_fixtures_functions_and_final_check(self):
+        functions = RateDesk().functions()
+        cases = [
+            ({"registry": CONVERSION_TOOLS, "accept": conversion_accepted},
+             "fixtures: the default Fixtures serve only the inventory's tools, not get_rate"),
+            ({"registry": CONVERSION_TOOLS, "fixtures": agent_loop.FunctionTools(functions)},
+             "accept: the default final check knows only the inventory's plan; give your task's own"),
+            ({"registry": CONVERSION_TOOLS, "fixtures": agent_loop.FunctionTools({"get_rate": functions["get_rate"]}),
+              "accept": conversion_accepted}, "convert: FunctionTools has no function for it"),
+        ]
+        for options, message in cases:
+            with self.subTest(message=message):
+                await self.assertRefusedBeforeTheModelIsAsked(message, **options)
+
+    async def test_mistakes_in_what_you_give_are_value_errors_before_the_model_is_asked(self):
+        async def watcher(event):
+            yield event
+
+        class Named(Exception):
+            pass
+
+        with self.assertRaises(ValueError) as raised:
+            agent_loop.FunctionTools({"get": None})
+        self.assertEqual(str(raised.exception), "get: not a function")
+        no_invoke = "fixtures must be an object with an async invoke(call) method"
+        cases = [
+            ({"fixtures": {"get_rate": dict}, "registry": CONVERSION_TOOLS, "accept": conversion_accepted}, no_invoke),
+            ({"fixtures": Fixtures}, no_invoke),  # the class, not an object of it
+            ({"fixtures": agent_loop.FunctionTools, "registry": CONVERSION_TOOLS, "accept": conversion_accepted}, no_invoke),
+            ({"fixtures": agent_loop.FunctionTools(RateDesk().functions())},
+             "registry: give the registry of your FunctionTools; the default is the inventory's"),
+            ({"on_event": watcher}, "on_event must be a function or None"),
+            ({"on_event": dict}, "on_event must be a function or None"),  # a class: it would only make dicts
+        ]
+        for options, message in cases:
+            with self.subTest(message=message):
+                await self.assertRefusedBeforeTheModelIsAsked(message, **options)
+
+
+# PART 7: a refused batch as an observation (on_refused="observe"), so a model can correct itself
+
+async def learner(history):
+    """A model that sends a bad argument first, then reads the refusal and does the task right."""
+    if not history:
+        return calls(call("bad", partition="east"), call("ok", partition="north"))
+    return await fake_model(history)
+
+
+async def never_learns(history):
+    return calls(call(f"bad{len(history)}", partition="east"))
+
+
+class ObservedRefusalTests(RuntimeTestCase):
+    """PART 7: on_refused="observe": a refused batch becomes a round of failed observations; what still stops the run."""
+
+    async def test_a_model_that_corrects_a_refused_batch_completes_when_refusals_are_observed(self):
+        fixtures = Fixtures()
+        result = await run_agent(learner, fixtures=fixtures, limits=ROOMY)  # the article's strictness: the default
+        self.assertEqual((result["status"], fixtures.started), ("invalid_arguments", []))
+        fixtures = Fixtures()
+        result = await run_agent(learner, fixtures=fixtures, limits=ROOMY, on_refused="observe")
+        self.assertEqual((result["status"], result["answer"]), ("completed", PLAN))
+        self.assertEqual(result["used"], {"rounds": 4, "calls": 3, "credits": 20})  # the refused round: paid, no calls
+        self.assertNotIn("bad", fixtures.started)
+        self.assertNotIn("ok", fixtures.started)  # the valid call beside the bad one did not start either
+        refused = result["history"][0]
+        self.assertEqual([(obs["call_id"], obs["ok"], obs["error"], obs["retryable"], obs["reason"])
+                          for obs in refused["observations"]],
+                         [("bad", False, "invalid_arguments", True, "partition: not one of the allowed values"),
+                          ("ok", False, "invalid_arguments", True, "another call of the batch was refused")])
+        self.assertEqual(result["trace"][1], {"event": "refused", "round": 1, "status": "invalid_arguments",
+                                              "ids": ["bad", "ok"], "call_id": "bad", "name": "read_partition",
+                                              "reason": "partition: not one of the allowed values",
+                                              "rounds": 1, "calls": 0, "credits": 3})
+
+    async def test_a_model_that_never_learns_ends_on_its_budget(self):
+        for limits, status in ((ROOMY, "round_limit"), (dataclasses.replace(ROOMY, credits=10), "credit_limit"),
+                               (dataclasses.replace(ROOMY, total_seconds=0.3), "deadline")):
+            async def model(history, slow=status == "deadline"):
+                if slow:
+                    await asyncio.sleep(0.05)
+                return await never_learns(history)
+
+            with self.subTest(status=status):
+                fixtures = Fixtures()
+                result = await run_agent(model, fixtures=fixtures, limits=limits, on_refused="observe")
+                self.assertEqual((result["status"], result["used"]["calls"], fixtures.started), (status, 0, []))
+
+    async def test_what_still_stops_when_refusals_are_observed(self):
+        north, east = call("n", partition="north"), call("e", partition="east")
+        cases = [  # (decisions, status): each stops at its last decision, nothing recorded as refused
+            ((calls(*(call(c, partition="north") for c in "abc")),), "repeat_limit"),
+            ((calls(call("a", partition="north"), call("b", partition="south")),), "call_limit"),
+            ((calls("read north"),), "invalid_call"),
+            ((calls({**north, "call_id": ""}),), "invalid_call_id"),
+            ((calls(north), calls(east, north)), "duplicate_call_id"),  # a call id of an earlier round, after a refusal
+            ((calls(east, {**east, "arguments": {"partition": "north"}}),), "duplicate_call_id"),  # an id twice
+            ((calls(north), calls(call("n2", partition="north")),  # two reads of north, then an unknown tool and a third
+              calls(call("x", "place_order"), call("n3", partition="north"))), "repeat_limit"),
+            ((calls(call("m", "multi_tool_use.parallel")),), "unknown_tool"),  # a name no provider takes back
+            ((calls(*(call(f"c{i}", partition="north") for i in range(9))),), "invalid_batch"),  # 9 calls: not a slip
+            ((calls({**north, "name": 7}),), "unknown_tool"),  # a name that is not text cannot be replayed
+            ((calls(),), "invalid_batch"),
+        ]
+        for decisions, status in cases:
+            with self.subTest(status=status, decisions=decisions):
+                limits = dataclasses.replace(ROOMY, calls=1) if status == "call_limit" else ROOMY
+                result = await run_agent(scripted(*decisions), limits=limits, on_refused="observe")
+                self.assertEqual((result["status"], result["used"]["rounds"]), (status, len(decisions)))
+                self.assertNotIn("refused", [event["event"] for event in result["trace"]])
+
+    async def test_an_observed_refusal_stops_with_the_first_calls_own_stop_whatever_comes_before_it(self):
+        tools = {"t": ToolSpec(1, True, True, parameters={"type": "object", "additionalProperties": False})}
+        cases = [  # (batch, status): the first call is refused, a later one has a stop of its own
+            ([call("a", "nope"), call("b", "bad name"), call("", "t")], "invalid_call_id"),
+            ([call("a", "nope"), call("b", "bad name"), "not a dict"], "invalid_call"),
+            ([call("a", "nope"), call("b", "bad name"), call("a", "t")], "duplicate_call_id"),
+            ([call("a", "nope"), ("a", "tuple")], "invalid_call"),
+            ([call("a", "bad name", x={1, 2}), call("b", "t"), call("c", "t")], "repeat_limit"),
+            ([call("a", "nope"), call("b", "bad name")], "unknown_tool"),  # no own stop: the refusal stops it
+        ]
+        for batch, status in cases:
+            with self.subTest(status=status, batch=repr(batch)[:60]):
+                result = await run_agent(scripted(calls(*batch)), registry=tools, fixtures=agent_loop.FunctionTools({"t": dict}),
+                                         limits=dataclasses.replace(ROOMY, attempts=1), accept=never_accept,
+                                         on_refused="observe")
+                self.assertEqual((result["status"], result["history"]), (status, []))
+
+    async def test_a_refusal_decided_after_the_deadline_says_deadline(self):
+        self.allowBlockingSteps()
+
+        def late_no(*args):
+            time.sleep(0.5)
+            return False
+
+        limits = Limits(tool_seconds=5, model_seconds=5, total_seconds=0.3)
+        registry = {"read_partition": dataclasses.replace(TOOLS["read_partition"], validate=late_no)}
+        for options in ({"registry": registry}, {"registry": registry, "on_refused": "observe"}, {"accept": late_no}):
+            with self.subTest(options=sorted(options)):
+                result = await run_agent(limits=limits, **options)
+                self.assertEqual(result["status"], "deadline")
+
+    async def test_on_refused_and_on_event_must_be_what_they_say(self):
+        for options, message in (({"on_refused": "retry"}, "on_refused must be 'stop' or 'observe'"),
+                                 ({"on_event": "print"}, "on_event must be a function or None")):
+            with self.subTest(message=message):
+                with self.assertRaises(ValueError) as raised:
+                    await run_agent(limits=ROOMY, **options)
+                self.assertEqual(str(raised.exception), message)
+
+
+# PART 8: the scenario atlas: one small, deterministic run per stop status
 
 ATLAS_EXPECTED = {  # name: (rounds, calls, credits, observation errors in order)
     "completed": (3, 3, 17, []),
@@ -1304,7 +3297,33 @@ STATUSES = [
 ]
 
 
+WHY = {  # each atlas scenario's stop event, beyond event, status and used: why, in plain data
+    "completed": {},
+    "round_limit": {"reason": "all 2 rounds were used"},
+    "call_limit": {"reason": "2 calls asked, 1 left"},
+    "credit_limit": {"reason": "a decision costs 3 credits, 2 left"},
+    "deadline": {},
+    "cancelled": {},
+    "model_timeout": {},
+    "model_exception": {"error_type": "RuntimeError"},
+    "invalid_decision": {"reason": "a decision is a dict"},
+    "invalid_final": {"rejected": PLAN, "reason": "the final check did not accept it"},
+    "invalid_batch": {"reason": "no calls"},
+    "invalid_call": {"reason": "a call is a dict of exactly call_id, name and arguments"},
+    "invalid_call_id": {"reason": "a call id is a string of 1 to 80 characters"},
+    "duplicate_call_id": {"call_id": "a", "reason": "the call id was used before"},
+    "unknown_tool": {"call_id": "order", "name": "place_order", "reason": "no tool of that name"},
+    "permission_denied": {"call_id": "r1-north", "name": "read_partition", "error_type": "PermissionError"},
+    "invalid_arguments": {"call_id": "a", "name": "read_partition", "reason": "partition: not one of the allowed values"},
+    "repeat_limit": {"call_id": "r3-north", "name": "read_partition",
+                     "reason": "the same tool and arguments at most 2 times"},
+    "tool_exception": {"call_id": "r1-north", "name": "read_partition", "error_type": "RuntimeError"},
+}
+
+
 class AtlasTests(RuntimeTestCase):
+    """PART 8: the scenario atlas: one run per stop status, its stop event, its table, its JSON and its command line."""
+
     def test_every_stop_status_of_the_contract_has_a_scenario_of_that_name(self):
         self.assertEqual(list(STOP_STATUSES), STATUSES)
         self.assertEqual([name for name, _, _ in agent_loop.ATLAS], STATUSES)
@@ -1328,8 +3347,9 @@ class AtlasTests(RuntimeTestCase):
         first, second = run_command("scenarios"), run_command("scenarios")
         self.assertEqual((first.returncode, first.stderr), (0, ""))
         self.assertEqual((first.stdout, second.stdout), (ATLAS_TABLE, ATLAS_TABLE))
-        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as file:
-            self.assertIn("```\n" + ATLAS_TABLE + "```", file.read())
+        shown = re.search(r"```\n(scenario .*?)```", readme_section("Every status, one command"), re.S)[1].splitlines()
+        self.assertEqual(shown, [line for line in ATLAS_TABLE.splitlines() if line in shown])  # its lines, in order
+        self.assertGreaterEqual(len(shown), 2)
 
     def test_the_json_table_holds_the_same_rows_and_each_runs_errors(self):
         done = run_command("scenarios", "--json")
@@ -1364,255 +3384,29 @@ class AtlasTests(RuntimeTestCase):
         self.assertEqual(done.returncode, 2)
         self.assertIn("invalid choice", done.stderr)
 
-
-# PART 6: your own task through the unchanged runtime. Converting an amount between currencies:
-# look the rate up (async), convert with it (plain function, in a thread), answer with the result.
-
-CURRENCIES = ("EUR", "USD", "JPY")
-RATES = {("EUR", "USD"): 1_085_000, ("USD", "JPY"): 151_200_000}  # millionths of the quote per unit of the base
-AMOUNT = 12_345  # cents of EUR to convert
-
-
-CURRENCY = {"type": "string", "enum": list(CURRENCIES)}
-POSITIVE = {"type": "integer", "minimum": 1, "maximum": 10**12}
-# One declaration per tool serves preflight and every model bridge. validate adds what the schema cannot say.
-CONVERSION_TOOLS = {
-    "get_rate": ToolSpec(
-        1, True, True, validate=lambda args: args["base"] != args["quote"],
-        description="The exchange rate from one currency to another, in millionths.",
-        parameters={"type": "object", "properties": {"base": CURRENCY, "quote": CURRENCY},
-                    "required": ["base", "quote"], "additionalProperties": False}),
-    "convert": ToolSpec(
-        1, True, False, description="Convert an amount in cents with a rate in millionths.",
-        parameters={"type": "object", "properties": {"amount_cents": POSITIVE, "rate_micros": POSITIVE},
-                    "required": ["amount_cents", "rate_micros"], "additionalProperties": False}),
-}
-
-
-class RateDesk:
-    """The functions of the conversion task, with a rate cache that hands out its own objects."""
-
-    def __init__(self, block_first_convert=None):
-        self.cache, self.ran = {}, []
-        self.block_first_convert = block_first_convert  # a threading.Event the first convert waits for
-
-    async def get_rate(self, base, quote):
-        await asyncio.sleep(0)
-        self.ran.append("get_rate")
-        return self.cache.setdefault((base, quote), {"base": base, "quote": quote, "rate_micros": RATES[(base, quote)]})
-
-    def convert(self, amount_cents, rate_micros):
-        self.ran.append("convert")
-        attempt = self.ran.count("convert")
-        if attempt == 1 and self.block_first_convert is not None:
-            self.block_first_convert.wait(30)
-        for entry in self.cache.values():  # the cache refreshes: the object it handed out changes
-            entry["rate_micros"] += 1
-        return {"amount_cents": amount_cents, "rate_micros": rate_micros,
-                "converted_cents": amount_cents * rate_micros // 1_000_000, "attempt": attempt}
-
-    def functions(self):
-        return {"get_rate": self.get_rate, "convert": self.convert}
-
-
-def conversion_successes(history):
-    return [obs for record in history for obs in record["observations"] if obs["ok"]]
-
-
-async def conversion_model(history):
-    """Read the EUR->USD rate, convert AMOUNT with it, answer with the conversion."""
-    done = {obs["name"]: obs["data"] for obs in conversion_successes(history)}
-    number = len(history) + 1
-    if "get_rate" not in done:
-        return calls(call(f"rate-{number}", "get_rate", base="EUR", quote="USD"))
-    if "convert" not in done:
-        rate = done["get_rate"]["rate_micros"]
-        return calls(call(f"convert-{number}", "convert", amount_cents=AMOUNT, rate_micros=rate))
-    answer = {key: done["convert"][key] for key in ("amount_cents", "rate_micros", "converted_cents")}
-    return final(answer)
-
-
-def conversion_accepted(answer, history):
-    """The task's own final check: recompute the conversion from the rate read in history."""
-    rates = [obs["data"]["rate_micros"] for obs in conversion_successes(history)
-             if obs["name"] == "get_rate" and obs["arguments"] == {"base": "EUR", "quote": "USD"}]
-    if not rates or type(rates[-1]) is not int:
-        return False
-    rate = rates[-1]
-    expected = {"amount_cents": AMOUNT, "rate_micros": rate, "converted_cents": AMOUNT * rate // 1_000_000}
-    return canonical(answer) == canonical(expected)
-
-
-class OwnPrototypeTests(RuntimeTestCase):
-    async def run_conversion(self, desk, model=conversion_model, **options):
-        tools = FunctionTools(desk.functions())
-        options.setdefault("limits", ROOMY)
-        result = await run_agent(model, fixtures=tools, registry=CONVERSION_TOOLS, accept=conversion_accepted, **options)
-        return result, tools
-
-    async def test_own_task_completes_through_the_unchanged_runtime(self):
-        desk = RateDesk()
-        result, tools = await self.run_conversion(desk)
-        self.assertEqual(result["status"], "completed")
-        self.assertEqual(result["used"], {"rounds": 3, "calls": 2, "credits": 11})
-        self.assertEqual(result["answer"], {"amount_cents": 12345, "rate_micros": 1085000, "converted_cents": 13394})
-        self.assertEqual((desk.ran, tools.abandoned), (["get_rate", "convert"], []))
-
-    async def test_a_returned_object_changed_after_delivery_is_not_followed_by_history(self):
-        desk = RateDesk()
-        result, _ = await self.run_conversion(desk)
-        self.assertEqual(desk.cache[("EUR", "USD")]["rate_micros"], 1_085_001)  # the tool changed its object
-        self.assertEqual(result["history"][0]["observations"][0]["data"]["rate_micros"], 1_085_000)
-        self.assertEqual(result["status"], "completed")
-
-    async def test_own_validator_refuses_a_call_and_nothing_starts(self):
-        desk = RateDesk()
-        model = scripted(calls(call("r1", "get_rate", base="EUR", quote="USD"), call("r2", "get_rate", base="EUR", quote="EUR")))
-        result, _ = await self.run_conversion(desk, model)
-        self.assertEqual(result["status"], "invalid_arguments")
-        self.assertEqual((result["used"]["calls"], desk.ran), (0, []))
-
-    async def test_own_validator_must_return_true_and_must_not_raise(self):
-        def raises(args):
-            raise KeyError("private")
-
-        for validate in (raises, lambda args: 1, lambda args: "yes"):
-            with self.subTest(validate=validate):
-                registry = {"get_rate": ToolSpec(1, True, True, validate=validate)}
-                desk = RateDesk()
-                result = await run_agent(scripted(calls(call("r1", "get_rate", base="EUR", quote="USD"))),
-                                         fixtures=FunctionTools(desk.functions()), registry=registry, limits=ROOMY, accept=never_accept)
-                self.assertEqual((result["status"], desk.ran), ("invalid_arguments", []))
-
-    async def test_own_validator_only_ever_sees_json_objects(self):
-        seen = []
-        registry = {"echo": ToolSpec(1, True, True, validate=lambda args: seen.append(args) or True)}
-        for arguments in ({"when": float("nan")}, {"n": 2**70}, {"items": {1, 2}}, {"t": (1, 2)}, [1], {1: "x"}):
-            with self.subTest(arguments=arguments):
-                model = scripted(calls({"call_id": "e", "name": "echo", "arguments": arguments}))
-                result = await run_agent(model, fixtures=FunctionTools({"echo": dict}), registry=registry, limits=ROOMY, accept=never_accept)
-                self.assertEqual((result["status"], result["used"]["calls"]), ("invalid_arguments", 0))
-        self.assertEqual(seen, [])
-
-    async def test_own_final_check_decides_and_its_exceptions_count_as_not_accepted(self):
-        def raises(answer, history):
-            raise RuntimeError("private")
-
-        for accept, status in ((raises, "invalid_final"), (lambda answer, history: 1, "invalid_final"),
-                               (lambda answer, history: True, "completed")):
-            with self.subTest(accept=accept):
-                result = await run_agent(accept=accept, limits=ROOMY)
-                self.assertEqual((result["status"], result["used"]["rounds"]), (status, 3))
+    async def test_each_failure_says_why_in_its_stop_event(self):
+        self.assertEqual(list(WHY), STATUSES)
+        for name, why in WHY.items():
+            with self.subTest(name=name):
+                result, _ = await agent_loop.run_scenario(name)
+                stop = result["trace"][-1]
+                self.assertEqual({key: value for key, value in stop.items()
+                                  if key not in ("event", "status", "rounds", "calls", "credits")}, why)
+                self.assertIsNone(result["answer"]) if name != "completed" else None
                 self.assertNoPrivateText(result)
 
-    async def test_a_plain_function_that_times_out_is_abandoned_and_its_late_result_dropped(self):
-        gate, desk, views = threading.Event(), RateDesk(), []
-        desk.block_first_convert = gate
 
-        async def model(history):
-            if any(obs.get("error") == "tool_timeout" for record in history for obs in record["observations"]):
-                if not gate.is_set():
-                    gate.set()  # let the abandoned thread finish before this decision
-                    self.assertTrue(await tools.wait_abandoned(30))
-                    views.append(history)
-            return await conversion_model(history)
-
-        tools = FunctionTools(desk.functions())
-        limits = dataclasses.replace(ROOMY, tool_seconds=0.2)
-        result = await run_agent(model, fixtures=tools, registry=CONVERSION_TOOLS, accept=conversion_accepted, limits=limits)
-        self.assertEqual(result["status"], "completed")
-        self.assertEqual(result["used"], {"rounds": 4, "calls": 3, "credits": 15})
-        self.assertEqual(tools.abandoned, ["convert-2"])
-        self.assertEqual(desk.ran, ["get_rate", "convert", "convert"])  # the first thread ran to its end
-        self.assertEqual(errors(result), ["tool_timeout"])
-        attempts = [obs["data"].get("attempt") for obs in observations(result) if obs["ok"]]
-        self.assertEqual(attempts, [None, 2])  # the late result of attempt 1 reached no round
-        self.assertEqual(len(views), 1)
-        self.assertNotIn(1, [obs.get("data", {}).get("attempt") for record in views[0] for obs in record["observations"]])
-
-    async def test_two_plain_functions_in_one_parallel_batch_overlap(self):
-        meeting = threading.Barrier(2, timeout=30)  # only two threads running at once can pass it
-
-        def meet(side):
-            meeting.wait()
-            return {"side": side}
-
-        registry = {"meet": ToolSpec(1, True, True, validate=lambda args: True)}
-        model = scripted(calls(call("a", "meet", side="left"), call("b", "meet", side="right")))
-        result = await run_agent(model, fixtures=FunctionTools({"meet": meet}), registry=registry, limits=ROOMY, accept=never_accept)
-        self.assertEqual(result["trace"][1]["parallel"], True)
-        self.assertEqual([obs["data"] for obs in observations(result)], [{"side": "left"}, {"side": "right"}])
-        self.assertEqual(result["used"]["calls"], 2)
-
-    async def test_function_exceptions_pass_through_for_the_runtime_to_classify(self):
-        # SystemExit only from a thread, where it means nothing; from async code asyncio lets it end the program.
-        faults = [TemporaryError("private"), PermissionError("private"), ValueError("private"), SystemExit(3)]
-        for fault, error in zip(faults, ["temporary", "permission_denied", "tool_exception", "tool_exception"]):
-            async def async_fails(**args):
-                raise fault
-
-            def plain_fails(**args):
-                raise fault
-
-            for function in (async_fails, plain_fails)[isinstance(fault, SystemExit):]:
-                with self.subTest(fault=fault, function=function.__name__):
-                    registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
-                    result = await run_agent(scripted(calls(call("a", "f"))), fixtures=FunctionTools({"f": function}),
-                                             registry=registry, limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
-                    self.assertEqual(errors(result), [error])
-                    self.assertEqual(result["used"]["calls"], 1)
-                    self.assertNoPrivateText(result)
-
-    async def test_cancelling_a_thread_call_abandons_it(self):
-        gate, cancel = threading.Event(), asyncio.Event()
-        started = threading.Event()
-
-        def waits():
-            started.set()
-            gate.wait(30)
-            return {"late": True}
-
-        tools = FunctionTools({"waits": waits})
-        registry = {"waits": ToolSpec(1, True, True, validate=lambda args: True)}
-        run = asyncio.create_task(run_agent(scripted(calls(call("w", "waits"))), fixtures=tools, registry=registry,
-                                            cancel=cancel, limits=ROOMY, accept=never_accept))
-        await wait_until(started.is_set)
-        cancel.set()
-        result = await run
-        self.assertEqual((result["status"], errors(result), tools.abandoned), ("cancelled", ["cancelled"], ["w"]))
-        self.assertFalse(await tools.wait_abandoned(0.01))
-        gate.set()
-        self.assertTrue(await tools.wait_abandoned(30))
-        self.assertNotIn("late", repr(result))
-
-    async def test_a_call_given_up_before_its_thread_started_never_runs(self):
-        held, ran = [], []
-
-        class Held(FunctionTools):
-            def _start(self, work):
-                held.append(work)  # no thread has picked the call up yet
-
-        def tool(**args):
-            ran.append(args)
-            return {}
-
-        tools = Held({"f": tool})
-        registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
-        result = await run_agent(scripted(calls(call("a", "f"))), fixtures=tools, registry=registry,
-                                 limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.05), accept=never_accept)
-        self.assertEqual((errors(result), result["used"]["calls"]), (["tool_timeout"], 1))
-        held[0]()  # the thread starts at last, after the runtime gave the call up
-        self.assertEqual((ran, tools.abandoned), ([], []))
-
-    def test_toolspec_keeps_its_three_field_form(self):
-        spec = ToolSpec(2, True, True)
-        self.assertEqual((spec.validate, spec.description, spec.parameters), (None, "", None))
-        self.assertEqual(dataclasses.replace(spec, parallel_safe=False), ToolSpec(2, True, False, None))
-
-
-# PART 8: the benchmark (its figures are checked for sanity, never for speed)
+# PART 9: the benchmark: what parallel batches and bounded waits buy, and what the runtime costs
 
 class BenchTests(unittest.TestCase):
+    """PART 9: the benchmark: its figures are checked for sanity, never for speed."""
+
+    def test_help_lists_the_commands_of_the_whole_module(self):
+        done = run_command("--help")
+        self.assertEqual((done.returncode, list(agent_loop.COMMANDS)), (0, ["demo", "scenarios", "bench"]))
+        for command in agent_loop.COMMANDS:
+            self.assertIn(f"    {command} ", done.stdout)
+
     def test_the_quick_bench_prints_every_figure_positive_and_finite(self):
         done = run_command("bench", "--quick", "--json")
         self.assertEqual((done.returncode, done.stderr), (0, ""))
@@ -1657,7 +3451,8 @@ class BenchTests(unittest.TestCase):
         self.assertEqual(sorted(figures["10"]), ["deepcopy_ms", "round_ms"])
 
 
-# PART 9: the provider bridge, with literal replies shaped like the providers' documented ones
+# PART 10: connect a real model: the OpenAI Responses, OpenAI Chat Completions and Anthropic Messages formats,
+# here with literal replies shaped like the providers' documented ones
 
 def fc(call_id, name, arguments, item_id=None):
     """A Responses function_call output item; arguments are JSON text as the API sends them."""
@@ -1692,27 +3487,6 @@ def chat_reply(content=None, tool_calls=None, finish_reason="stop", refusal=None
             "choices": [{"index": 0, "message": msg, "finish_reason": finish_reason}]}
 
 
-AMOUNT_SCHEMA = {"type": "integer", "minimum": 0, "maximum": 100000}
-# The inventory tools as the model is offered them, written out here rather than read from the module.
-INVENTORY_DECLARATIONS = {
-    "read_partition": {
-        "description": "Read one inventory partition: each row's sku, stock, target and unit price in cents.",
-        "parameters": {"type": "object", "properties": {"partition": {"type": "string", "enum": ["north", "south"]}},
-                       "required": ["partition"], "additionalProperties": False},
-    },
-    "compute_plan": {
-        "description": "Compute the restock plan (target minus stock, in integer cents) for 1 to 4 rows.",
-        "parameters": {"type": "object", "properties": {"rows": {
-            "type": "array", "minItems": 1, "maxItems": 4, "items": {
-                "type": "object",
-                "properties": {"sku": {"type": "string", "enum": ["CUP", "PEN", "BAG", "BOOK"]},
-                               "stock": AMOUNT_SCHEMA, "target": AMOUNT_SCHEMA, "unit_cents": AMOUNT_SCHEMA},
-                "required": ["sku", "stock", "target", "unit_cents"], "additionalProperties": False}}},
-            "required": ["rows"], "additionalProperties": False},
-    },
-}
-
-
 def anthropic_reply(*content, stop_reason="end_turn"):
     return {"id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": list(content),
             "stop_reason": stop_reason, "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}}
@@ -1726,14 +3500,23 @@ def text_block(text):
     return {"type": "text", "text": text}
 
 
+def later(name):
+    """agent_loop.<name>, looked up when it is called: this module imports against PART 1-5 alone."""
+    def function(*args, **kwargs):
+        return getattr(agent_loop, name)(*args, **kwargs)
+
+    function.__name__ = name
+    return function
+
+
 BRIDGES = {  # name: (make_model, extra options, a reply with these calls, a reply with this text)
-    "responses": (agent_loop.responses_model, {},
+    "responses": (later("responses_model"), {},
                   lambda *calls: responses_reply(*(fc(cid, name, args) for cid, name, args in calls)),
                   lambda text: responses_reply(message(output_text(text)))),
-    "chat": (agent_loop.chat_model, {},
+    "chat": (later("chat_model"), {},
              lambda *calls: chat_reply(None, [tool_call(cid, name, args) for cid, name, args in calls], "tool_calls"),
              lambda text: chat_reply(text)),
-    "messages": (agent_loop.messages_model, {"max_tokens": 1024},
+    "messages": (later("messages_model"), {"max_tokens": 1024},
                  lambda *calls: anthropic_reply(*(tool_use(cid, name, args) for cid, name, args in calls), stop_reason="tool_use"),
                  lambda text: anthropic_reply(text_block(text))),
 }
@@ -1750,28 +3533,32 @@ class Recorder:
         return self.replies[min(len(self.requests), len(self.replies)) - 1]
 
 
+def garbage_replies(rng, count):
+    """Replies shaped like the providers' with plain data of the wrong type in random places."""
+    shapes = [responses_reply(message(output_text("x")), fc("c", "read_partition", {"partition": "north"})),
+              chat_reply("x", [tool_call("c", "read_partition", {"partition": "north"})], "tool_calls"),
+              anthropic_reply(text_block("x"), tool_use("c", "read_partition", {"partition": "north"}), stop_reason="tool_use")]
+    junk = [None, 0, 7.5, True, "", "text", [], [1, "a"], {}, {"type": "function_call"}, [{"type": None}]]
+
+    def spoil(value, depth=0):
+        if type(value) is dict and value and rng.random() < 0.8:
+            key = rng.choice(list(value))
+            return {**value, key: spoil(value[key], depth + 1) if rng.random() < 0.6 else rng.choice(junk)}
+        if type(value) is list and value and rng.random() < 0.8:
+            index = rng.randrange(len(value))
+            return value[:index] + [spoil(value[index], depth + 1)] + value[index + 1:]
+        return rng.choice(junk)
+
+    return [spoil(rng.choice(shapes)) for _ in range(count)]
+
+
+def closed(**property_schema):
+    """An object schema with one required property, a, of property_schema: closed, as strict mode requires."""
+    return {"type": "object", "properties": {"a": property_schema}, "required": ["a"], "additionalProperties": False}
+
+
 class ProviderBridgeTests(RuntimeTestCase):
-    def test_the_inventory_tools_declare_what_the_model_is_offered(self):
-        self.assertEqual({name: {"description": spec.description, "parameters": spec.parameters} for name, spec in TOOLS.items()},
-                         INVENTORY_DECLARATIONS)
-
-    def test_the_schema_check_agrees_with_valid_args_on_ordinary_cases(self):
-        cases = [("read_partition", {"partition": "north"}), ("read_partition", {"partition": "east"}),
-                 ("read_partition", {"partition": "north", "x": 1}), ("compute_plan", {"rows": ALL_ROWS}),
-                 ("compute_plan", {"rows": []}), ("compute_plan", {"rows": [{**ALL_ROWS[0], "stock": -1}]}),
-                 ("compute_plan", {"rows": [{**ALL_ROWS[0], "stock": True}]}),
-                 ("compute_plan", {"rows": [{**ALL_ROWS[0], "stock": 100001}]}), ("compute_plan", {"rows": ALL_ROWS + ALL_ROWS[:1]})]
-        for name, args in cases:
-            with self.subTest(name=name, args=args):
-                self.assertEqual(agent_loop.schema_error(TOOLS[name].parameters, args) is None, valid_args(name, args))
-
-    async def test_valid_args_stays_the_authority_where_the_schema_cannot_speak(self):
-        twice = {"rows": [ALL_ROWS[0], {**ALL_ROWS[0], "stock": 5}]}  # CUP twice, rows not identical
-        self.assertIsNone(agent_loop.schema_error(TOOLS["compute_plan"].parameters, twice))
-        self.assertFalse(valid_args("compute_plan", twice))
-        fixtures = Fixtures()
-        result = await run_agent(scripted(calls(call("p", "compute_plan", **twice))), fixtures=fixtures, limits=ROOMY)
-        self.assertEqual((result["status"], fixtures.started), ("invalid_arguments", []))
+    """PART 10: the three bridges on literal replies: tools offered, replies read, history replayed, what never answers."""
 
     def test_the_tools_offered_are_exactly_the_inventorys_strict_declarations(self):
         responses = [{"type": "function", "name": name, "description": tool["description"],
@@ -1939,7 +3726,7 @@ class ProviderBridgeTests(RuntimeTestCase):
                                   text_reply(json.dumps(answer)))
                 desk = RateDesk()
                 model = make_model(create, "Convert 123.45 EUR to USD.", CONVERSION_TOOLS, model="m", **options)
-                result = await run_agent(model, fixtures=FunctionTools(desk.functions()), registry=CONVERSION_TOOLS,
+                result = await run_agent(model, fixtures=agent_loop.FunctionTools(desk.functions()), registry=CONVERSION_TOOLS,
                                          accept=conversion_accepted, limits=ROOMY)
                 self.assertEqual((result["status"], result["answer"], desk.ran), ("completed", answer, ["get_rate", "convert"]))
                 offered = create.requests[0]["tools"]
@@ -2104,6 +3891,217 @@ class ProviderBridgeTests(RuntimeTestCase):
         gate.set()
         self.assertEqual((result["status"], result["used"]["rounds"]), ("model_timeout", 1))
 
+    async def test_a_model_that_cannot_be_asked_is_a_value_error_before_the_run(self):
+        async def streams(history):
+            yield {"kind": "final", "answer": None}
+
+        class Model:
+            async def __call__(self, history):
+                return await fake_model(history)
+
+        for model in (None, {"kind": "final"}, Model, streams):
+            with self.subTest(model=model), self.assertRaises(ValueError) as raised:
+                await run_agent(model)
+            self.assertEqual(str(raised.exception), "model must be an async function of history")
+        self.assertEqual((await run_agent(Model()))["status"], "completed")  # an object of it is a model
+        self.assertEqual((await run_agent(lambda history: fake_model(history)))["status"], "completed")
+
+        def plain(history):  # nothing tells it from the lambda above before it is called
+            return {"kind": "final", "answer": None}
+
+        class PlainInvoke:
+            def invoke(self, call):
+                return {}
+
+        result = await run_agent(plain)
+        self.assertEqual((result["status"], result["used"]["rounds"], result["trace"][-1]["error_type"]),
+                         ("model_exception", 1, "TypeError"))
+        result = await run_agent(fixtures=PlainInvoke())
+        self.assertEqual((result["status"], result["trace"][-1]["error_type"]), ("tool_exception", "TypeError"))
+        for bridge in (agent_loop.responses_model, agent_loop.chat_model):
+            for create in (None, "client.responses.create", Model):
+                with self.subTest(bridge=bridge.__name__, create=create), self.assertRaises(ValueError) as raised:
+                    bridge(create, "the task")
+                self.assertEqual(str(raised.exception),
+                                 "create must be your client's method, such as client.responses.create")
+        with self.assertRaises(ValueError):
+            agent_loop.messages_model(None, "the task", max_tokens=100)
+
+    async def test_every_bridge_replays_a_refused_round_so_the_model_can_correct_itself(self):
+        for name, (make_model, options, calls_reply, text_reply) in BRIDGES.items():
+            with self.subTest(bridge=name):
+                bad = '{"partition": "east"' if name != "messages" else {"partition": "east"}
+                create = Recorder(calls_reply(("c1", "read_partition", bad)),
+                                  calls_reply(("c2", "read_partition", {"partition": "north"}),
+                                              ("c3", "read_partition", {"partition": "south"})),
+                                  calls_reply(("c4", "compute_plan", {"rows": ALL_ROWS})),
+                                  text_reply(json.dumps(PLAN)))
+                result = await run_agent(make_model(create, "task", **options), limits=ROOMY, on_refused="observe")
+                self.assertEqual(result["status"], "completed")
+                second = json.dumps(create.requests[1])
+                self.assertIn("c1", second)
+                self.assertIn("partition: not one of the allowed values" if name == "messages" else
+                              "arguments: not a JSON object", second)
+                replayed = (agent_loop.messages_input if name == "messages" else agent_loop.chat_messages)(result["history"])
+                first = replayed[0]["content"][0]["input"] if name == "messages" else \
+                    replayed[0]["tool_calls"][0]["function"]["arguments"]
+                self.assertEqual(first, bad if name == "messages" else "{}")  # malformed JSON goes back as {}
+
+    async def test_a_final_text_that_is_json_but_not_plain_data_reaches_the_final_check_as_text(self):
+        judged = []
+
+        def accept(answer, history):
+            judged.append(answer)
+            return True
+
+        for text in ("123456789012345678901234", "NaN", "1e999", '{"a": 1, "a": 2}', '"\\ud800"'):
+            async def create(**request):
+                return {"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": text}}]}
+
+            with self.subTest(text=text):
+                model = agent_loop.chat_model(create, "Give the order id.", registry=CONVERSION_TOOLS)
+                result = await run_agent(model, registry=CONVERSION_TOOLS, fixtures=agent_loop.FunctionTools(RateDesk().functions()),
+                                         accept=accept, limits=ROOMY)
+                self.assertEqual((result["status"], result["answer"], judged[-1]), ("completed", text, text))
+        async def create(**request):
+            return {"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": '{"total": 5}'}}]}
+
+        model = agent_loop.chat_model(create, "Give the order id.", registry=CONVERSION_TOOLS)
+        result = await run_agent(model, registry=CONVERSION_TOOLS, fixtures=agent_loop.FunctionTools(RateDesk().functions()),
+                                 accept=accept, limits=ROOMY)
+        self.assertEqual(result["answer"], {"total": 5})  # plain JSON data is still parsed
+
+    async def test_a_bridge_refuses_options_it_would_replace_and_takes_opening_turns_as_task(self):
+        for bridge, key in ((agent_loop.responses_model, "input"), (agent_loop.chat_model, "messages")):
+            for own in (key, "tools"):
+                with self.subTest(bridge=bridge.__name__, option=own), self.assertRaises(ValueError) as raised:
+                    bridge(lambda **request: None, "the task", **{own: []})
+                self.assertTrue(str(raised.exception).startswith(f"{own}: the bridge builds it"))
+        requests = []
+
+        async def create(**request):
+            requests.append(request)
+            return {"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": "done"}}]}
+
+        opening = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the task"}]
+        model = agent_loop.chat_model(create, opening, registry=CONVERSION_TOOLS, model="m")
+        result = await run_agent(model, registry=CONVERSION_TOOLS, fixtures=agent_loop.FunctionTools(RateDesk().functions()),
+                                 accept=lambda answer, history: answer == "done", limits=ROOMY)
+        self.assertEqual((result["status"], requests[0]["messages"]), ("completed", opening))
+        opening.append({"role": "user", "content": "changed later"})
+        await model([])
+        self.assertEqual(len(requests[-1]["messages"]), 2)  # the bridge keeps its own copy of the turns
+        for task in ("", [], [{"role": "user", "content": float("nan")}], ["text"], None):
+            with self.subTest(task=task), self.assertRaises(ValueError):
+                agent_loop.chat_model(create, task)
+
+    async def test_a_stop_iteration_from_a_plain_function_is_a_fault_not_a_timeout(self):
+        def no_match(**args):
+            return next(iter([]))
+
+        registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
+        result = await run_agent(scripted(calls(call("a", "f"))), fixtures=agent_loop.FunctionTools({"f": no_match}), registry=registry,
+                                 limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
+        self.assertEqual((errors(result), result["status"]), (["tool_exception"], "tool_exception"))
+        result = await run_agent(agent_loop.responses_model(no_match, "task"), limits=ROOMY)
+        self.assertEqual(result["status"], "model_exception")
+
+    async def test_abandoned_threads_never_starve_a_later_call(self):
+        gate = threading.Event()
+        self.addCleanup(gate.set)
+
+        def hangs(n):
+            gate.wait(30)
+
+        def instant(n):
+            return {"n": n}
+
+        async def model(history):  # 36 hanging calls, 4 a round, then one instant call, then an answer
+            number = len(history)
+            if number < 9:
+                return calls(*(call(f"h{number}-{i}", "hang", n=number * 4 + i) for i in range(4)))
+            return calls(call("i", "instant", n=0)) if number == 9 else final("done")
+
+        registry = {name: ToolSpec(0, True, True, validate=lambda args: True) for name in ("hang", "instant")}
+        tools = agent_loop.FunctionTools({"hang": hangs, "instant": instant})
+        limits = Limits(rounds=11, calls=40, credits=100, tool_seconds=0.05, model_seconds=5, total_seconds=30)
+        result = await run_agent(model, fixtures=tools, registry=registry, limits=limits, accept=lambda answer, history: True)
+        self.assertEqual((result["status"], len(tools.abandoned)), ("completed", 36))
+        self.assertEqual(observations(result)[-1]["data"], {"n": 0})  # admitted, started and finished at once
+        # The bridge's plain create as well: a call that is admitted actually starts.
+        plain_create = Recorder(responses_reply(message(output_text(json.dumps(PLAN)))))
+        result = await run_agent(agent_loop.responses_model(plain_create, "task"), limits=ROOMY)
+        self.assertEqual((result["status"], len(plain_create.requests)), ("invalid_final", 1))
+
+    async def test_whatever_returns_an_awaitable_is_awaited(self):
+        async def rate(base, quote):
+            return {"rate_micros": 1_085_000}
+
+        class AsyncCall:
+            async def __call__(self, base, quote):
+                return await rate(base, quote)
+
+        for function in (AsyncCall(), functools.partial(rate), lambda **args: rate(**args)):
+            with self.subTest(function=function):
+                registry = {"get_rate": CONVERSION_TOOLS["get_rate"]}
+                result = await run_agent(scripted(calls(call("r", "get_rate", base="EUR", quote="USD"))), registry=registry,
+                                         fixtures=agent_loop.FunctionTools({"get_rate": function}), limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
+                self.assertEqual(observations(result)[0]["data"], {"rate_micros": 1_085_000})
+        reply = responses_reply(message(output_text("an answer")))
+
+        async def create(**request):
+            return reply
+
+        class AsyncCreate:
+            async def __call__(self, **request):
+                return reply
+
+        for create_method in (AsyncCreate(), functools.partial(create), lambda **request: create(**request)):
+            with self.subTest(create=create_method):
+                result = await run_agent(agent_loop.responses_model(create_method, "task"), limits=ROOMY)
+                self.assertEqual((result["status"], result["trace"][0]["kind"]), ("invalid_final", "final"))
+
+    def test_malformed_replies_never_make_a_bridge_raise(self):
+        rng = random.Random(SEED)
+        for reply in garbage_replies(rng, 600):
+            for read in (agent_loop.from_responses, agent_loop.from_chat, agent_loop.from_messages):
+                with self.subTest(reply=reply, read=read.__name__):
+                    decision = read(reply)
+                    self.assertIs(type(decision), dict)
+                    self.assertIs(type(decision["kind"]), str)
+
+    def test_a_tool_is_offered_strict_only_within_openais_documented_strict_subset(self):
+        cases = [  # (parameters, strict)
+            (closed(type="string", minLength=1), False),  # pydantic's Field(min_length=1)
+            (closed(type="string", maxLength=8), False),
+            (closed(type="string", default="x"), False),
+            (closed(type="string", title="A"), False),  # pydantic titles every property
+            (closed(type="string", examples=["x"]), False),
+            (closed(type="string", deprecated=True), False),
+            (closed(type="string", **{"x-note": "a vendor's"}), False),
+            ({**closed(type="string"), "title": "toolArguments"}, False),  # at the root too
+            ({**closed(type="string"), "$schema": "https://json-schema.org/draft/2020-12/schema"}, False),
+            (closed(type="string", format="uri"), False),  # a format strict mode does not list
+            (closed(anyOf=[{"type": "null"}, {"type": "string"}], default=None), False),
+            (closed(anyOf=[{"type": "null"}, {"type": "string"}], pattern="^a"), False),  # a rule beside anyOf
+            (closed(type="string", format="email"), True),
+            (closed(type="string", format="date-time", pattern="^2[0-9]{3}-"), True),
+            (closed(type="integer", minimum=0, maximum=9, exclusiveMinimum=-1, exclusiveMaximum=10), True),
+            (closed(type="array", items={"type": "string", "enum": ["x", "y"]}, minItems=1, maxItems=2), True),
+            (closed(type=["string", "null"], description="what a is"), True),
+            (closed(const="x"), True),
+            (closed(anyOf=[{"type": "null"}, {"type": "string"}], description="a or null"), True),
+        ]
+        for parameters, strict in cases:
+            with self.subTest(parameters=parameters):
+                registry = {"tool": ToolSpec(1, True, True, parameters=parameters)}
+                self.assertIs(agent_loop.responses_tools(registry)[0]["strict"], strict)
+                self.assertIs(agent_loop.chat_tools(registry)[0]["function"]["strict"], strict)
+                self.assertNotIn("strict", agent_loop.messages_tools(registry)[0])  # the Messages bridge never sends it
+
+    def test_the_inventory_tools_stay_strict(self):
+        self.assertEqual([tool["strict"] for tool in agent_loop.responses_tools()], [True, True])
+        self.assertEqual([tool["function"]["strict"] for tool in agent_loop.chat_tools()], [True, True])
 
 # The SDK lane: every bridge through the official openai and anthropic packages, sync and async clients,
 # against a fake provider on 127.0.0.1. `python3 -m unittest` skips these (it needs the standard library
@@ -2117,7 +4115,6 @@ try:
     import anthropic
 except ImportError:
     anthropic = None
-
 
 class Malformed(Exception):
     """A request the real API would answer with HTTP 400."""
@@ -2393,10 +4390,18 @@ class FakeProvider:
 
     def __init__(self, brain):
         self.brain, self.seen, self.lock = brain, [], threading.Lock()
-        self.server = QuietServer(("127.0.0.1", 0), ProviderHandler)
-        self.server.fake = self
-        self.url = "http://127.0.0.1:%d" % self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server = None
+
+    @property
+    def url(self):
+        """The provider's address. Its server starts when the address is first asked for: a test that skips
+        because its SDK is missing starts nothing."""
+        if self.server is None:
+            self.server = QuietServer(("127.0.0.1", 0), ProviderHandler)
+            self.server.fake = self
+            # A short poll: shutdown() waits for the serving loop to look, 0.5 s at the default.
+            threading.Thread(target=self.server.serve_forever, args=(0.01,), daemon=True).start()
+        return "http://127.0.0.1:%d" % self.server.server_address[1]
 
     def record(self, api, body, status):
         with self.lock:
@@ -2406,8 +4411,9 @@ class FakeProvider:
         return [status for _, _, status in self.seen]
 
     def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
 
 
 def inventory_brain(api, talk, tools):
@@ -2435,11 +4441,11 @@ def conversion_brain(api, talk, tools):
 
 
 SDK_MISSING = {"responses": openai is None, "chat": openai is None, "messages": anthropic is None}
-MAKE_MODEL = {"responses": agent_loop.responses_model, "chat": agent_loop.chat_model, "messages": agent_loop.messages_model}
+MAKE_MODEL = {"responses": later("responses_model"), "chat": later("chat_model"), "messages": later("messages_model")}
 
 
 class SdkLaneTests(RuntimeTestCase):
-    """The bridges through the official SDKs; each test skips, saying why, where its SDK is not installed."""
+    """PART 10: the bridges through the official SDKs and a fake provider; each test skips where its SDK is missing."""
 
     async def asyncSetUp(self):
         self.allowBlockingSteps()  # an SDK's first request builds its models on the loop
@@ -2489,7 +4495,7 @@ class SdkLaneTests(RuntimeTestCase):
                     fake, desk = self.provider(conversion_brain), RateDesk()
                     model = self.model(api, self.create(api, fake, asynchronous), "Convert 123.45 EUR to USD.",
                                        CONVERSION_TOOLS)
-                    result = await run_agent(model, fixtures=FunctionTools(desk.functions()), registry=CONVERSION_TOOLS,
+                    result = await run_agent(model, fixtures=agent_loop.FunctionTools(desk.functions()), registry=CONVERSION_TOOLS,
                                              accept=conversion_accepted, limits=ROOMY)
                     self.assertEqual((result["status"], desk.ran), ("completed", ["get_rate", "convert"]))
                     offered = fake.seen[0][1]["tools"]
@@ -2528,7 +4534,7 @@ class SdkLaneTests(RuntimeTestCase):
     async def test_the_readmes_real_model_example_runs_as_written(self):
         if openai is None or anthropic is None:
             self.skipTest("the official openai and anthropic packages are not installed (.ci/run installs them)")
-        (example,) = [block for block in code_blocks(readme_section("Connect a real model"), "python")]
+        example = code_blocks(readme_section("Connect a real model"), "python")[0]
         fake = self.provider(inventory_brain)
         done = await asyncio.to_thread(self.run_readme, fake, example)
         self.assertEqual((done.returncode, done.stderr), (0, ""))
@@ -2537,7 +4543,19 @@ class SdkLaneTests(RuntimeTestCase):
     async def test_the_readmes_own_task_runs_unchanged_with_a_real_model(self):
         if openai is None:
             self.skipTest("the official openai package is not installed (.ci/run installs it)")
-        scripted_block, real_block = code_blocks(readme_section("Use it in your own prototype"), "python")[:2]
+        (scripted_block,) = code_blocks(readme_section("Copy it into your own prototype"), "python")
+        real_block = textwrap.dedent('''
+            from openai import AsyncOpenAI
+            from agent_loop import Limits, responses_model
+
+
+            async def ask_a_real_model():
+                async with AsyncOpenAI(timeout=30, max_retries=1) as client:
+                    model = responses_model(client.responses.create, "Convert 123.45 EUR to USD.", registry,
+                                            model="gpt-4.1")
+                    return await run_agent(model, registry=registry, fixtures=tools, accept=check,
+                                           limits=Limits(model_seconds=60, total_seconds=300))
+        ''')
 
         def brain(api, talk, tools):
             done = talk.results()
@@ -2589,387 +4607,7 @@ class SdkLaneTests(RuntimeTestCase):
                     self.assertEqual((result["status"], result["used"]["rounds"]), ("model_timeout", 1))
 
 
-# Let a real model recover from a refused batch, and let its user see why a run stopped
-
-WHY = {  # each atlas scenario's stop event, beyond event, status and used: why, in plain data
-    "completed": {},
-    "round_limit": {"reason": "all 2 rounds were used"},
-    "call_limit": {"reason": "2 calls asked, 1 left"},
-    "credit_limit": {"reason": "a decision costs 3 credits, 2 left"},
-    "deadline": {},
-    "cancelled": {},
-    "model_timeout": {},
-    "model_exception": {"error_type": "RuntimeError"},
-    "invalid_decision": {"reason": "a decision is a dict"},
-    "invalid_final": {"rejected": PLAN, "reason": "the final check did not accept it"},
-    "invalid_batch": {"reason": "no calls"},
-    "invalid_call": {"reason": "a call is a dict of exactly call_id, name and arguments"},
-    "invalid_call_id": {"reason": "a call id is a string of 1 to 80 characters"},
-    "duplicate_call_id": {"call_id": "a", "reason": "the call id was used before"},
-    "unknown_tool": {"call_id": "order", "name": "place_order", "reason": "no tool of that name"},
-    "permission_denied": {"call_id": "r1-north", "name": "read_partition", "error_type": "PermissionError"},
-    "invalid_arguments": {"call_id": "a", "name": "read_partition", "reason": "partition: not one of the allowed values"},
-    "repeat_limit": {"call_id": "r3-north", "name": "read_partition",
-                     "reason": "the same tool and arguments at most 2 times"},
-    "tool_exception": {"call_id": "r1-north", "name": "read_partition", "error_type": "RuntimeError"},
-}
-
-
-async def learner(history):
-    """A model that sends a bad argument first, then reads the refusal and does the task right."""
-    if not history:
-        return calls(call("bad", partition="east"), call("ok", partition="north"))
-    return await fake_model(history)
-
-
-async def never_learns(history):
-    return calls(call(f"bad{len(history)}", partition="east"))
-
-
-class WhyTests(RuntimeTestCase):
-    async def test_each_failure_says_why_in_its_stop_event(self):
-        self.assertEqual(list(WHY), STATUSES)
-        for name, why in WHY.items():
-            with self.subTest(name=name):
-                result, _ = await agent_loop.run_scenario(name)
-                stop = result["trace"][-1]
-                self.assertEqual({key: value for key, value in stop.items()
-                                  if key not in ("event", "status", "rounds", "calls", "credits")}, why)
-                self.assertIsNone(result["answer"]) if name != "completed" else None
-                self.assertNoPrivateText(result)
-
-    async def test_a_failed_observation_names_the_class_of_what_the_tool_raised(self):
-        for fault, error, error_type in (("temporary", "temporary", "TemporaryError"),
-                                         ("permission", "permission_denied", "PermissionError"),
-                                         ("bug", "tool_exception", "RuntimeError"), ("timeout", "tool_timeout", None)):
-            with self.subTest(fault=fault):
-                fixtures = Fixtures(failures={"north": [fault]})
-                result = await run_agent(fixtures=fixtures, limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.1))
-                failed = observations(result)[0]
-                self.assertEqual((failed["error"], failed.get("error_type")), (error, error_type))
-                self.assertNoPrivateText(result)
-
-    async def test_a_model_that_corrects_a_refused_batch_completes_when_refusals_are_observed(self):
-        fixtures = Fixtures()
-        result = await run_agent(learner, fixtures=fixtures, limits=ROOMY)  # the article's strictness: the default
-        self.assertEqual((result["status"], fixtures.started), ("invalid_arguments", []))
-        fixtures = Fixtures()
-        result = await run_agent(learner, fixtures=fixtures, limits=ROOMY, on_refused="observe")
-        self.assertEqual((result["status"], result["answer"]), ("completed", PLAN))
-        self.assertEqual(result["used"], {"rounds": 4, "calls": 3, "credits": 20})  # the refused round: paid, no calls
-        self.assertNotIn("bad", fixtures.started)
-        self.assertNotIn("ok", fixtures.started)  # the valid call beside the bad one did not start either
-        refused = result["history"][0]
-        self.assertEqual([(obs["call_id"], obs["ok"], obs["error"], obs["retryable"], obs["reason"])
-                          for obs in refused["observations"]],
-                         [("bad", False, "invalid_arguments", True, "partition: not one of the allowed values"),
-                          ("ok", False, "invalid_arguments", True, "another call of the batch was refused")])
-        self.assertEqual(result["trace"][1], {"event": "refused", "round": 1, "status": "invalid_arguments",
-                                              "ids": ["bad", "ok"], "call_id": "bad", "name": "read_partition",
-                                              "reason": "partition: not one of the allowed values",
-                                              "rounds": 1, "calls": 0, "credits": 3})
-
-    async def test_a_model_that_never_learns_ends_on_its_budget(self):
-        for limits, status in ((ROOMY, "round_limit"), (dataclasses.replace(ROOMY, credits=10), "credit_limit"),
-                               (dataclasses.replace(ROOMY, total_seconds=0.3), "deadline")):
-            async def model(history, slow=status == "deadline"):
-                if slow:
-                    await asyncio.sleep(0.05)
-                return await never_learns(history)
-
-            with self.subTest(status=status):
-                fixtures = Fixtures()
-                result = await run_agent(model, fixtures=fixtures, limits=limits, on_refused="observe")
-                self.assertEqual((result["status"], result["used"]["calls"], fixtures.started), (status, 0, []))
-
-    async def test_what_still_stops_when_refusals_are_observed(self):
-        north, east = call("n", partition="north"), call("e", partition="east")
-        cases = [  # (decisions, status): each stops at its last decision, nothing recorded as refused
-            ((calls(*(call(c, partition="north") for c in "abc")),), "repeat_limit"),
-            ((calls(call("a", partition="north"), call("b", partition="south")),), "call_limit"),
-            ((calls("read north"),), "invalid_call"),
-            ((calls({**north, "call_id": ""}),), "invalid_call_id"),
-            ((calls(north), calls(east, north)), "duplicate_call_id"),  # a call id of an earlier round, after a refusal
-            ((calls(east, {**east, "arguments": {"partition": "north"}}),), "duplicate_call_id"),  # an id twice
-            ((calls(north), calls(call("n2", partition="north")),  # two reads of north, then an unknown tool and a third
-              calls(call("x", "place_order"), call("n3", partition="north"))), "repeat_limit"),
-            ((calls(call("m", "multi_tool_use.parallel")),), "unknown_tool"),  # a name no provider takes back
-            ((calls(*(call(f"c{i}", partition="north") for i in range(9))),), "invalid_batch"),  # 9 calls: not a slip
-            ((calls({**north, "name": 7}),), "unknown_tool"),  # a name that is not text cannot be replayed
-            ((calls(),), "invalid_batch"),
-        ]
-        for decisions, status in cases:
-            with self.subTest(status=status, decisions=decisions):
-                limits = dataclasses.replace(ROOMY, calls=1) if status == "call_limit" else ROOMY
-                result = await run_agent(scripted(*decisions), limits=limits, on_refused="observe")
-                self.assertEqual((result["status"], result["used"]["rounds"]), (status, len(decisions)))
-                self.assertNotIn("refused", [event["event"] for event in result["trace"]])
-
-    async def test_on_refused_and_on_event_must_be_what_they_say(self):
-        for options, message in (({"on_refused": "retry"}, "on_refused must be 'stop' or 'observe'"),
-                                 ({"on_event": "print"}, "on_event must be a function or None")):
-            with self.subTest(message=message):
-                with self.assertRaises(ValueError) as raised:
-                    await run_agent(limits=ROOMY, **options)
-                self.assertEqual(str(raised.exception), message)
-
-    async def test_the_events_received_live_equal_the_trace(self):
-        seen_plain, seen_async, order = [], [], []
-
-        async def watch(event):
-            await asyncio.sleep(0)
-            seen_async.append(event)
-
-        def mark(event):
-            order.append((event["event"], len(order)))
-            seen_plain.append(event)
-            event["event"] = "edited by the watcher"  # its own copy
-
-        for watcher, seen in ((mark, seen_plain), (watch, seen_async)):
-            with self.subTest(watcher=watcher.__name__):
-                result = await run_agent(fixtures=Fixtures(failures={"north": ["temporary"]}), on_event=watcher,
-                                         limits=ROOMY)
-                self.assertEqual(result["status"], "completed")
-                if watcher is mark:
-                    self.assertEqual([event["event"] for event in result["trace"]],
-                                     ["decision", "observations"] * 3 + ["decision", "stop"])
-                    seen[:] = [{**event, "event": e} for event, (e, _) in zip(seen, order)]
-                self.assertEqual(seen, result["trace"])
-
-    async def test_a_watcher_that_raises_or_hangs_changes_nothing(self):
-        def raises(event):
-            raise RuntimeError("private")
-
-        async def hangs(event):
-            if event["event"] == "decision":
-                await asyncio.sleep(30)
-
-        for watcher in (raises, hangs):
-            with self.subTest(watcher=watcher.__name__):
-                limits = dataclasses.replace(ROOMY, tool_seconds=0.05)
-                result = await run_agent(on_event=watcher, limits=limits)
-                self.assertEqual((result["status"], result["used"]), ("completed", {"rounds": 3, "calls": 3, "credits": 17}))
-                self.assertNoPrivateText(result)
-                self.assertNoTaskLeft()
-
-    async def test_a_cancelled_run_still_tells_its_watcher_how_it_stopped(self):
-        cancel, seen = asyncio.Event(), []
-        cancel.set()
-        result = await run_agent(cancel=cancel, on_event=seen.append, limits=ROOMY)
-        self.assertEqual(seen, result["trace"])
-        self.assertEqual(seen[-1]["status"], "cancelled")
-
-    async def test_your_own_tools_need_your_own_fixtures_functions_and_final_check(self):
-        functions = RateDesk().functions()
-        cases = [
-            ({"registry": CONVERSION_TOOLS, "accept": conversion_accepted},
-             "fixtures: the default Fixtures serve only the inventory's tools, not get_rate"),
-            ({"registry": CONVERSION_TOOLS, "fixtures": FunctionTools(functions)},
-             "accept: the default final check knows only the inventory's plan; give your task's own"),
-            ({"registry": CONVERSION_TOOLS, "fixtures": FunctionTools({"get_rate": functions["get_rate"]}),
-              "accept": conversion_accepted}, "convert: FunctionTools has no function for it"),
-        ]
-        for options, message in cases:
-            with self.subTest(message=message):
-                await self.assertRefusedBeforeTheModelIsAsked(message, **options)
-
-    async def test_a_decision_the_model_changes_while_its_watcher_waits_leaves_a_true_and_plain_trace(self):
-        kind, seen = ["calls"], []
-
-        async def model(history):
-            async def later():
-                await asyncio.sleep(0.005)
-                kind.append(float("nan"))
-                kind.append(kind)
-
-            asyncio.get_running_loop().create_task(later())
-            return {"kind": kind, "calls": [object()]}
-
-        async def watcher(event):
-            await asyncio.sleep(0.02)
-            seen.append(event)
-
-        result = await run_agent(model, on_event=watcher, limits=ROOMY)
-        self.assertEqual((result["status"], seen), ("invalid_decision", result["trace"]))
-        self.assertEqual(result["trace"][0]["kind"], None)  # only a short text ever stands for a kind
-        json.dumps(result, allow_nan=False)
-
-    async def test_a_refusal_decided_after_the_deadline_says_deadline(self):
-        self.allowBlockingSteps()
-
-        def late_no(*args):
-            time.sleep(0.5)
-            return False
-
-        limits = Limits(tool_seconds=5, model_seconds=5, total_seconds=0.3)
-        registry = {"read_partition": dataclasses.replace(TOOLS["read_partition"], validate=late_no)}
-        for options in ({"registry": registry}, {"registry": registry, "on_refused": "observe"}, {"accept": late_no}):
-            with self.subTest(options=sorted(options)):
-                result = await run_agent(limits=limits, **options)
-                self.assertEqual(result["status"], "deadline")
-
-    async def test_mistakes_in_what_you_give_are_value_errors_before_the_model_is_asked(self):
-        async def watcher(event):
-            yield event
-
-        class Named(Exception):
-            pass
-
-        with self.assertRaises(ValueError) as raised:
-            FunctionTools({"get": None})
-        self.assertEqual(str(raised.exception), "get: not a function")
-        no_invoke = "fixtures must be an object with an async invoke(call) method"
-        cases = [
-            ({"fixtures": {"get_rate": dict}, "registry": CONVERSION_TOOLS, "accept": conversion_accepted}, no_invoke),
-            ({"fixtures": Fixtures}, no_invoke),  # the class, not an object of it
-            ({"fixtures": FunctionTools, "registry": CONVERSION_TOOLS, "accept": conversion_accepted}, no_invoke),
-            ({"fixtures": FunctionTools(RateDesk().functions())},
-             "registry: give the registry of your FunctionTools; the default is the inventory's"),
-            ({"on_event": watcher}, "on_event must be a function or None"),
-            ({"on_event": dict}, "on_event must be a function or None"),  # a class: it would only make dicts
-        ]
-        for options, message in cases:
-            with self.subTest(message=message):
-                await self.assertRefusedBeforeTheModelIsAsked(message, **options)
-
-    async def test_a_model_that_cannot_be_asked_is_a_value_error_before_the_run(self):
-        async def streams(history):
-            yield {"kind": "final", "answer": None}
-
-        class Model:
-            async def __call__(self, history):
-                return await fake_model(history)
-
-        for model in (None, {"kind": "final"}, Model, streams):
-            with self.subTest(model=model), self.assertRaises(ValueError) as raised:
-                await run_agent(model)
-            self.assertEqual(str(raised.exception), "model must be an async function of history")
-        self.assertEqual((await run_agent(Model()))["status"], "completed")  # an object of it is a model
-        self.assertEqual((await run_agent(lambda history: fake_model(history)))["status"], "completed")
-
-        def plain(history):  # nothing tells it from the lambda above before it is called
-            return {"kind": "final", "answer": None}
-
-        class PlainInvoke:
-            def invoke(self, call):
-                return {}
-
-        result = await run_agent(plain)
-        self.assertEqual((result["status"], result["used"]["rounds"], result["trace"][-1]["error_type"]),
-                         ("model_exception", 1, "TypeError"))
-        result = await run_agent(fixtures=PlainInvoke())
-        self.assertEqual((result["status"], result["trace"][-1]["error_type"]), ("tool_exception", "TypeError"))
-        for bridge in (agent_loop.responses_model, agent_loop.chat_model):
-            for create in (None, "client.responses.create", Model):
-                with self.subTest(bridge=bridge.__name__, create=create), self.assertRaises(ValueError) as raised:
-                    bridge(create, "the task")
-                self.assertEqual(str(raised.exception),
-                                 "create must be your client's method, such as client.responses.create")
-        with self.assertRaises(ValueError):
-            agent_loop.messages_model(None, "the task", max_tokens=100)
-
-    async def test_an_exception_class_name_is_kept_short(self):
-        Long = type("E" * 100_000, (Exception,), {})
-
-        class Raises(Fixtures):
-            async def invoke(self, call):
-                raise Long()
-
-        result = await run_agent(fixtures=Raises(delays={}), limits=ROOMY)
-        self.assertEqual(result["trace"][-1]["error_type"], "E" * 80)
-
-    async def test_every_bridge_replays_a_refused_round_so_the_model_can_correct_itself(self):
-        for name, (make_model, options, calls_reply, text_reply) in BRIDGES.items():
-            with self.subTest(bridge=name):
-                bad = '{"partition": "east"' if name != "messages" else {"partition": "east"}
-                create = Recorder(calls_reply(("c1", "read_partition", bad)),
-                                  calls_reply(("c2", "read_partition", {"partition": "north"}),
-                                              ("c3", "read_partition", {"partition": "south"})),
-                                  calls_reply(("c4", "compute_plan", {"rows": ALL_ROWS})),
-                                  text_reply(json.dumps(PLAN)))
-                result = await run_agent(make_model(create, "task", **options), limits=ROOMY, on_refused="observe")
-                self.assertEqual(result["status"], "completed")
-                second = json.dumps(create.requests[1])
-                self.assertIn("c1", second)
-                self.assertIn("partition: not one of the allowed values" if name == "messages" else
-                              "arguments: not a JSON object", second)
-                replayed = (agent_loop.messages_input if name == "messages" else agent_loop.chat_messages)(result["history"])
-                first = replayed[0]["content"][0]["input"] if name == "messages" else \
-                    replayed[0]["tool_calls"][0]["function"]["arguments"]
-                self.assertEqual(first, bad if name == "messages" else "{}")  # malformed JSON goes back as {}
-
-
-def help_as(program):
-    """What --help prints when the program was started under this name."""
-    with unittest.mock.patch.object(sys, "argv", [program, "--help"]), contextlib.redirect_stdout(io.StringIO()) as out:
-        with contextlib.suppress(SystemExit):
-            agent_loop.main(["--help"])
-    return out.getvalue()
-
-
-class SmallThingsTests(unittest.TestCase):
-    def test_help_names_the_program_as_it_was_started(self):
-        self.assertTrue(help_as("/usr/local/bin/agent-loop").startswith("usage: agent-loop"))
-        self.assertTrue(help_as("agent_loop.py").startswith("usage: agent_loop.py"))
-
-    def test_a_reader_that_stops_reading_gets_no_traceback(self):
-        flags = ["-O"] if sys.flags.optimize else []
-        process = subprocess.Popen([sys.executable, *flags, os.path.join(HERE, "agent_loop.py"), "demo"],
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        process.stdout.close()  # like `| head -1` that has already read its line: every write now fails
-        stderr = process.stderr.read()
-        process.wait(timeout=60)
-        process.stderr.close()
-        self.assertEqual(stderr, b"")
-        self.assertEqual(process.returncode, 1)
-
-
-def readme():
-    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as file:
-        return file.read()
-
-
-def readme_section(title):
-    text = readme()
-    start = text.index(f"\n## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start:end if end > 0 else len(text)]
-
-
-def code_blocks(text, language):
-    return re.findall(rf"```{language}\n(.*?)```", text, re.S)
-
-
-class ReadmeTests(RuntimeTestCase):
-    """Every example in the README is real: the shapes come from runs, the code blocks run."""
-
-    async def test_the_shapes_are_those_of_real_runs(self):
-        retry = await run_agent(fixtures=Fixtures(failures={"north": ["temporary"]}))
-        history = retry["history"]
-        scenario, _ = await agent_loop.run_scenario("invalid_arguments")
-        refused = await run_agent(learner, on_refused="observe")
-        expected = [calls(*history[1]["calls"]), final(retry["answer"]), history[0]["observations"][1],
-                    history[0]["observations"][0], history[1], retry["trace"][0], retry["trace"][1], retry["trace"][-1],
-                    scenario, refused["history"][0], refused["trace"][1]]
-        blocks = [json.loads(block) for block in code_blocks(readme_section("The shapes of a run"), "json")]
-        self.assertEqual(blocks, expected)
-
-    def test_the_limits_table_gives_every_field_and_its_default(self):
-        rows = re.findall(r"^\| `(\w+)` \| ([\d.]+) \|", readme_section("The shapes of a run"), re.M)
-        self.assertEqual([(name, float(default)) for name, default in rows],
-                         [(field.name, float(field.default)) for field in dataclasses.fields(Limits)])
-
-    def test_the_own_prototype_example_runs_as_written(self):
-        example = [block for block in code_blocks(readme_section("Use it in your own prototype"), "python")
-                   if "def check(answer, history)" in block]
-        self.assertEqual(len(example), 1)
-        printed = re.search(r"print\(.*\)  # (.*)", example[0]).group(1)
-        with contextlib.redirect_stdout(io.StringIO()) as out:
-            exec(compile(example[0], "README.md", "exec"), {"__name__": "readme_example"})
-        self.assertEqual(out.getvalue(), printed + "\n")
-
-
-# PART 10: tools from an MCP server. A fake session speaks the protocol's dicts (camelCase) or hands out objects
+# PART 11: tools from an MCP server. A fake session speaks the protocol's dicts (camelCase) or hands out objects
 # whose model_dump() gives the official SDK's snake_case; the SDK lane starts a real server over stdio.
 
 def protocol_tool(name, properties, description="", **annotations):
@@ -3050,7 +4688,41 @@ def country_answer(answer, history):
     return bool(found) and canonical(answer) == canonical(found[-1]["result"])
 
 
+def borrowed(value):
+    """The session's own object, handed over as it is."""
+    return value
+
+
+class RefreshingSession:
+    """A session that keeps the result it returned and refreshes it in place for the next call: a result cache."""
+
+    def __init__(self, shape, structured):
+        self.shape, self.structured, self.kept = shape, structured, None
+
+    async def call_tool(self, name, arguments):
+        if self.kept is None:
+            self.kept = text_result(json.dumps({"sku": "CUP", "stock": 4}), "CUP: 4",
+                                    structured={"sku": "CUP", "stock": 4} if self.structured else None)
+        else:  # the stock is 0 now: refresh what was returned before
+            if self.structured:
+                self.kept["structuredContent"]["stock"] = 0
+            self.kept["content"][1]["text"] = "CUP: 0"
+        return self.shape(self.kept)
+
+
+class ReturningSession:
+    """A session whose call_tool returns one fixed object, whatever it is asked."""
+
+    def __init__(self, result):
+        self.result = result
+
+    async def call_tool(self, name, arguments):
+        return self.result
+
+
 class McpTests(RuntimeTestCase):
+    """PART 11: MCP tools: only the tools you name are registered, their results become plain data, and calls are bounded."""
+
     def test_only_the_tools_you_name_are_registered_whatever_the_server_hints(self):
         for how, listed in (("the protocol's dict", LISTED), ("the SDK's dump", snake_case(LISTED)),
                             ("the SDK's object", Dumped(LISTED))):
@@ -3165,6 +4837,61 @@ class McpTests(RuntimeTestCase):
         self.assertEqual((result["status"], result["trace"][-1]["reason"], session.asked),
                          ("invalid_arguments", "sku: expected string", []))
 
+    async def test_a_session_that_refreshes_its_result_in_place_cannot_rewrite_history(self):
+        registry = agent_loop.mcp_registry(LISTED, read_only=("read_stock",))
+        model = scripted(calls(call("r1", "read_stock", sku="CUP")), calls(call("r2", "read_stock", sku="CUP")),
+                         final("read twice"))
+        for shape in (borrowed, Dumped):
+            for structured in (True, False):
+                with self.subTest(shape=shape.__name__, structured=structured):
+                    session = RefreshingSession(shape, structured)
+                    result = await run_agent(model, fixtures=agent_loop.McpTools(session), registry=registry, accept=any_answer,
+                                             limits=ROOMY)
+                    first, second = [obs["data"] for obs in observations(result)]
+                    if structured:
+                        self.assertEqual((first, second), ({"sku": "CUP", "stock": 4}, {"sku": "CUP", "stock": 0}))
+                    else:  # two blocks: the list of blocks, as delivered
+                        self.assertEqual((first[1]["text"], second[1]["text"]), ("CUP: 4", "CUP: 0"))
+                    self.assertEqual(result["status"], "completed")
+
+    async def test_a_result_that_is_not_a_call_tool_result_ends_the_call_tool_exception(self):
+        malformed = [  # what call_tool returned
+            None,
+            "stock: 4",
+            {"jsonrpc": "2.0", "id": 1, "error": {"code": -32603, "message": "internal error"}},  # an error envelope
+            {"structuredContent": {"stock": 4}},  # no content list
+            {"content": "stock: 4"},
+            {"content": [{"text": "stock: 4"}]},  # a block without its type
+            {"content": ["stock: 4"]},
+            {"content": [], "isError": "true"},  # isError is a boolean
+        ]
+        registry = agent_loop.mcp_registry(LISTED, read_only=("read_stock",))
+        model = scripted(calls(call("s", "read_stock", sku="CUP")), final("nothing was read"))
+        for returned in malformed:
+            for shape in ((returned,) if type(returned) is not dict else (returned, Dumped(returned))):
+                with self.subTest(returned=returned, shape=type(shape).__name__):
+                    result = await run_agent(model, fixtures=agent_loop.McpTools(ReturningSession(shape)), registry=registry,
+                                             accept=any_answer, limits=ROOMY)
+                    self.assertEqual((result["status"], errors(result), result["used"]["rounds"]),
+                                     ("tool_exception", ["tool_exception"], 1))
+                    self.assertEqual(result["trace"][-1]["reason"],
+                                     "the result is not an MCP CallToolResult: a content list of typed blocks")
+                    self.assertNotIn("error_type", result["trace"][-1])
+                    with self.assertRaises(agent_loop.McpResultError):
+                        await agent_loop.McpTools(ReturningSession(shape)).invoke(call("s", "read_stock", sku="CUP"))
+
+    async def test_a_well_formed_result_still_delivers_its_data(self):
+        cases = [  # (what call_tool returned, what the runtime gets)
+            ({"content": [], "isError": None, "structuredContent": {"stock": 4}}, {"stock": 4}),
+            ({"content": [{"type": "text", "text": "4"}]}, 4),  # no isError: the call succeeded
+            ({"content": [{"type": "image", "data": "aGk=", "mimeType": "image/png"}], "isError": False},
+             [{"type": "image", "data": "aGk=", "mimeType": "image/png"}]),
+        ]
+        for returned, data in cases:
+            for shape in (returned, Dumped(returned)):
+                with self.subTest(returned=returned, shape=type(shape).__name__):
+                    tools = agent_loop.McpTools(ReturningSession(shape))
+                    self.assertEqual(await tools.invoke(call("s", "read_stock", sku="CUP")), data)
 
 try:
     from mcp import ClientSession, StdioServerParameters
@@ -3173,6 +4900,7 @@ except ImportError:
     ClientSession = None
 
 # A real MCP server, written with the official package, run over stdio by the SDK lane's tests.
+
 MCP_SERVER = """
 import asyncio, os
 from mcp.server.mcpserver import MCPServer
@@ -3217,7 +4945,7 @@ server.run()
 
 
 class McpServerTests(RuntimeTestCase):
-    """A real MCP server over stdio, under the runtime; skipped, saying why, without the official mcp package."""
+    """PART 11: a real MCP server over stdio under the runtime; skipped, saying why, without the official mcp package."""
 
     async def asyncSetUp(self):
         if ClientSession is None:
@@ -3296,7 +5024,7 @@ class McpServerTests(RuntimeTestCase):
             self.assertEqual(result["trace"][-1]["error_type"], "MCPError")
 
 
-# PART 11: a run drawn on a time axis
+# PART 12: see a run: its decisions and calls drawn on a time axis
 
 def bars(drawing, label=30):
     """{lane label: (first column, last column, outcome)} of a text drawing's calls ('.' for one that never ran)."""
@@ -3309,7 +5037,18 @@ def bars(drawing, label=30):
     return found
 
 
+def columns(text):
+    """How many terminal columns text takes: two for a wide or fullwidth character, none for a combining mark."""
+    return sum(0 if unicodedata.combining(char) else 2 if unicodedata.east_asian_width(char) in "WF" else 1
+               for char in text)
+
+
+READ = {"type": "object", "properties": {"sku": {"type": "string"}}, "required": ["sku"], "additionalProperties": False}
+
+
 class TimelineTests(RuntimeTestCase):
+    """PART 12: a run drawn on a time axis: lanes, bars and outcomes, the SVG, and the drawings of the command line."""
+
     async def drawn(self, fixtures, **options):
         timeline = agent_loop.Timeline()
         result = await run_agent(timeline.model(options.pop("model", fake_model)), fixtures=timeline.tools(fixtures),
@@ -3384,38 +5123,6 @@ class TimelineTests(RuntimeTestCase):
                 self.assertTrue(timeline.text(result).splitlines()[-1].startswith(f"{name}: "))
                 xml.etree.ElementTree.fromstring(timeline.svg(result).split("\n", 1)[1])
 
-    async def test_what_a_hostile_review_of_the_recorder_found(self):
-        def plain_model(history):  # not async: a model_exception, drawn or not
-            return final(PLAN)
-
-        for wrap in (False, True):
-            timeline = agent_loop.Timeline()
-            model = timeline.model(plain_model) if wrap else plain_model
-            self.assertEqual((await run_agent(model, limits=ROOMY))["status"], "model_exception")
-        timeline = agent_loop.Timeline()
-        tools = timeline.tools(FunctionTools({"get_rate": RateDesk().get_rate}))
-        await self.assertRefusedBeforeTheModelIsAsked("convert: FunctionTools has no function for it", fixtures=tools,
-                                                      registry=CONVERSION_TOOLS, accept=conversion_accepted)
-        # A Timeline is for one run: another run, or a model wrapped twice, is refused, not drawn wrong.
-        timeline = agent_loop.Timeline()
-        for _ in range(2):
-            result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures()),
-                                     on_event=timeline.event, limits=ROOMY)
-        with self.assertRaises(ValueError):
-            timeline.text(result)
-        timeline = agent_loop.Timeline()
-        result = await run_agent(timeline.model(fake_model), on_event=timeline.event, limits=ROOMY)
-        with self.assertRaises(ValueError):  # its calls ran, but were not recorded
-            timeline.text(result)
-        timeline, cancel = agent_loop.Timeline(), asyncio.Event()
-        cancel.set()
-        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures()), cancel=cancel,
-                                 on_event=timeline.event, limits=ROOMY)
-        self.assertEqual(timeline.text(result), "cancelled: no decision was asked\n")
-        for width in (10, 100.0):
-            with self.assertRaises(ValueError):
-                timeline.text(result, width=width)
-
     async def test_a_call_id_with_control_characters_draws_safely(self):
         timeline = agent_loop.Timeline()
         model = scripted(calls(call("a\x01\n\x1b[31mred", partition="north")))
@@ -3424,28 +5131,6 @@ class TimelineTests(RuntimeTestCase):
         drawing = timeline.text(result)
         self.assertFalse([char for char in drawing if not char.isprintable() and char != "\n"])
         xml.etree.ElementTree.fromstring(timeline.svg(result).split("\n", 1)[1])
-
-    async def test_each_limit_is_marked_where_it_acted_and_only_there(self):
-        # A serial batch: north is cut by tool_seconds, south then by the run's deadline.
-        registry = {**TOOLS, "read_partition": dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)}
-        limits = Limits(tool_seconds=0.2, model_seconds=5, total_seconds=0.35)
-        timeline = agent_loop.Timeline(limits)
-        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures(delays={"north": 30,
-                                 "south": 30})), registry=registry, on_event=timeline.event, limits=limits)
-        marks = [line.strip() for line in timeline.text(result).splitlines() if line.strip().startswith("^")]
-        self.assertEqual((result["status"], marks), ("deadline", ["^ tool_seconds", "^ deadline"]))
-
-        class OwnTimeout(Fixtures):  # a tool's own TimeoutError, long before its limit: no limit acted
-            async def invoke(self, call):
-                await super().invoke(call)
-                raise TimeoutError()
-
-        limits = dataclasses.replace(ROOMY, rounds=1)
-        timeline = agent_loop.Timeline()
-        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(OwnTimeout(delays={})),
-                                 on_event=timeline.event, limits=limits)
-        self.assertEqual(errors(result), ["tool_timeout", "tool_timeout"])
-        self.assertNotIn("^", timeline.text(result))
 
     def test_a_file_the_svg_cannot_go_to_is_refused_before_the_run(self):
         done = run_command("demo", "--svg", os.path.join(HERE, "no such folder", "demo.svg"))
@@ -3456,15 +5141,11 @@ class TimelineTests(RuntimeTestCase):
     async def test_the_readmes_drawings_are_those_of_the_runs_they_name(self):
         drawings = [block for block in re.findall(r"```\n(.*?)```", readme_section("See a run on a time axis"), re.S)
                     if "round 1" in block]
-        self.assertEqual(len(drawings), 3)
+        self.assertEqual(len(drawings), 1)
         retry = agent_loop.Timeline()
         fixtures = Fixtures(failures={"north": ["temporary"]})
         result = await run_agent(retry.model(fake_model), fixtures=retry.tools(fixtures), on_event=retry.event)
         fresh = [retry.text(result)]
-        for name in ("deadline", "cancelled"):
-            timeline = agent_loop.Timeline()
-            scenario, _ = await agent_loop.run_scenario(name, timeline=timeline)
-            fresh.append(timeline.text(scenario))
         for shown, drawn in zip(drawings, fresh):
             with self.subTest(drawing=drawn.splitlines()[-1]):
                 self.assertEqual({lane: outcome for lane, (*_, outcome) in bars(shown).items()},
@@ -3490,1057 +5171,6 @@ class TimelineTests(RuntimeTestCase):
         self.assertEqual(refused.returncode, 2)
         self.assertIn("give its NAME", refused.stderr)
 
-
-# Invariants under inputs nobody chose: a seeded property suite. A failing case prints its seed;
-# replay it alone with AGENT_LOOP_SEED=<seed> python3 -m unittest test_agent_loop.InvariantTests
-
-SEED = int(os.environ.get("AGENT_LOOP_SEED", "20261129"))
-ONE_CASE = "AGENT_LOOP_SEED" in os.environ
-
-
-def seeds(count):
-    return [SEED] if ONE_CASE else [SEED + i for i in range(count)]
-
-
-class RaisingEq:
-    """A key that collides with "kind" and explodes when compared."""
-
-    def __hash__(self):
-        return hash("kind")
-
-    def __eq__(self, other):
-        raise RuntimeError("private: compared")
-
-
-class RaisingCopy:
-    def __deepcopy__(self, memo):
-        raise RuntimeError("private: copied")
-
-
-class SelfCopy:
-    def __deepcopy__(self, memo):
-        return self
-
-
-class RaisingBool:
-    def __bool__(self):
-        raise RuntimeError("private: truth")
-
-
-class EqualToAll(str):
-    def __eq__(self, other):
-        return True
-
-    __hash__ = str.__hash__
-
-
-class SneakyDict(dict):
-    def keys(self):
-        raise RuntimeError("private: keys")
-
-    def items(self):
-        raise RuntimeError("private: items")
-
-    def __getitem__(self, key):
-        raise RuntimeError("private: item")
-
-
-class SneakyList(list):
-    def __len__(self):
-        raise RuntimeError("private: len")
-
-    def __iter__(self):
-        raise RuntimeError("private: iter")
-
-
-def deep(levels):
-    value = []
-    for _ in range(levels):
-        value = [value]
-    return value
-
-
-def cyclic_list():
-    value = []
-    value.append(value)
-    return value
-
-
-def cyclic_decision():
-    decision = {"kind": "calls", "calls": []}
-    decision["calls"].append(decision)
-    return decision
-
-
-DEEP = deep(100_000)
-HOSTILE_FACTORIES = [
-    lambda: None, lambda: 0, lambda: -1, lambda: True, lambda: 1.5, lambda: float("nan"), lambda: float("inf"),
-    lambda: 10**5000, lambda: 2**70, lambda: "", lambda: "x" * 100, lambda: "text from outside", lambda: b"bytes",
-    lambda: (1, 2), lambda: {1, 2}, lambda: frozenset(), lambda: 1j, lambda: [], lambda: {}, lambda: [[[]]],
-    lambda: cyclic_list(), lambda: cyclic_decision(), lambda: DEEP, lambda: deep(40), lambda: RaisingCopy(),
-    lambda: SelfCopy(), lambda: RaisingBool(), lambda: EqualToAll("calls"), lambda: EqualToAll("final"),
-    lambda: SneakyDict(kind="calls", calls=[]), lambda: SneakyList([1]), lambda: {RaisingEq(): "calls"},
-    lambda: threading.Lock(), lambda: (i for i in range(3)), lambda: object(), lambda: print, lambda: Stop("completed"),
-    lambda: {"kind": "final", "answer": RaisingCopy()}, lambda: {"kind": "final", "answer": float("nan")},
-    lambda: {"kind": "final", "answer": DEEP}, lambda: {"kind": "final", "answer": 10**5000},
-    lambda: {"kind": "calls", "calls": RaisingCopy()}, lambda: {"kind": "calls", "calls": [RaisingCopy()]},
-    lambda: {"kind": "calls", "calls": SneakyList([call("a", partition="north")])},
-    lambda: {"kind": RaisingCopy(), "calls": []}, lambda: {"kind": SneakyList(), "answer": 1},
-    lambda: {"kind": "calls", "calls": [SneakyDict(call_id="a", name="read_partition", arguments={})]},
-    lambda: {"kind": "calls", "calls": [{"call_id": EqualToAll("a"), "name": "read_partition", "arguments": {"partition": "north"}}]},
-    lambda: {"kind": "calls", "calls": [{"call_id": "a", "name": EqualToAll("read_partition"), "arguments": {"partition": "north"}}]},
-    lambda: {"kind": "calls", "calls": [{"call_id": "a", "name": "read_partition", "arguments": {"partition": EqualToAll("north")}}]},
-    lambda: {"kind": "calls", "calls": [{"call_id": "a", "name": "read_partition", "arguments": SneakyDict(partition="north")}]},
-    lambda: {"kind": "calls", "calls": [{"call_id": "a", "name": "compute_plan", "arguments": {"rows": DEEP}}]},
-    lambda: {"kind": "calls", "calls": [{"call_id": "a", "name": "compute_plan", "arguments": {"rows": cyclic_list()}}]},
-    lambda: {"kind": "calls", "calls": [{"call_id": "a", "name": "read_partition", "arguments": {"partition": "north", RaisingEq(): 1}}]},
-]
-
-
-def hostile(rng):
-    return rng.choice(HOSTILE_FACTORIES)()
-
-
-def mutate(rng, value, depth=0):
-    """Replace, drop or add one thing somewhere inside a copy of value."""
-    value = copy.deepcopy(value)
-    if type(value) is dict and value and depth < 6 and rng.random() < 0.7:
-        key = rng.choice(list(value))
-        action = rng.random()
-        if action < 0.6:
-            value[key] = mutate(rng, value[key], depth + 1)
-        elif action < 0.8:
-            del value[key]
-        else:
-            value[rng.choice(["extra", "kind", "calls", "answer", 7])] = hostile(rng)
-        return value
-    if type(value) is list and value and depth < 6 and rng.random() < 0.7:
-        index = rng.randrange(len(value))
-        action = rng.random()
-        if action < 0.7:
-            value[index] = mutate(rng, value[index], depth + 1)
-        elif action < 0.85:
-            value.append(copy.deepcopy(value[index]))
-        else:
-            del value[index]
-        return value
-    return hostile(rng)
-
-
-def hostile_model(rng):
-    """A model that, round by round, behaves well, returns anything, raises, cancels itself or hangs."""
-    async def model(history):
-        roll = rng.random()
-        if roll < 0.30:
-            return await fake_model(history)
-        if roll < 0.65:
-            return mutate(rng, await fake_model(history))
-        if roll < 0.85:
-            return hostile(rng)
-        behaviour = rng.choice(["raise", "cancel_itself", "hang", "stop", "timeout", "keyboard_free"])
-        if behaviour == "raise":
-            raise rng.choice([RuntimeError, ValueError, KeyError, TemporaryError, PermissionError])("private detail")
-        if behaviour == "cancel_itself":
-            raise asyncio.CancelledError("private detail")
-        if behaviour == "hang":
-            await asyncio.sleep(30)
-        if behaviour == "stop":
-            raise Stop(rng.choice(["completed", "private detail"]))
-        if behaviour == "timeout":
-            raise TimeoutError("private detail")
-        return {"kind": "final", "answer": PLAN}
-    return model
-
-
-class HostileTools(Fixtures):
-    """Fixtures whose calls may also return anything, raise anything, cancel themselves or hang."""
-
-    def __init__(self, rng, chance=0.5, **options):
-        super().__init__(**options)
-        self.rng, self.chance = rng, chance
-
-    async def invoke(self, call):
-        result = await super().invoke(call)
-        if self.rng.random() >= self.chance:
-            return result
-        behaviour = self.rng.choice(["return", "return", "mutated", "raise", "cancel_itself", "hang", "stop"])
-        if behaviour == "return":
-            return hostile(self.rng)
-        if behaviour == "mutated":
-            return mutate(self.rng, result)
-        if behaviour == "raise":
-            raise self.rng.choice([RuntimeError, ValueError, OSError, LookupError, TimeoutError])("private detail")
-        if behaviour == "cancel_itself":
-            raise asyncio.CancelledError("private detail")
-        if behaviour == "hang":
-            await asyncio.sleep(30)
-        raise Stop(self.rng.choice(["completed", "cancelled", "private detail"]))
-
-
-def random_limits(rng, fast=True):
-    return Limits(
-        rounds=rng.randint(0, 7), calls=rng.randint(0, 7), credits=rng.randint(0, 35), attempts=rng.randint(0, 3),
-        tool_seconds=rng.choice([0.01, 0.03, 0.1]) if fast else 5, model_seconds=rng.choice([0.01, 0.03, 0.1]) if fast else 5,
-        total_seconds=rng.choice([0.05, 0.15, 0.3]) if fast else 30,
-    )
-
-
-def random_registry(rng):
-    return {name: dataclasses.replace(spec, read_only=rng.random() > 0.1, parallel_safe=rng.random() > 0.4)
-            for name, spec in TOOLS.items()}
-
-
-def random_failures(rng):
-    faults = ["temporary", "permission", "bug", "timeout"]
-    return {key: [rng.choice(faults) for _ in range(rng.randint(0, 2))] for key in ("north", "south", "compute_plan")}
-
-
-def nested(levels):
-    """levels lists, each inside the next: nested(1) is [], nested(2) is [[]]."""
-    value = []
-    for _ in range(levels - 1):
-        value = [value]
-    return value
-
-
-class DataLimitTests(RuntimeTestCase):
-    """What enters history must be plain JSON data: nested at most 32 deep, at most 100,000 values, integers within
-    signed 64 bits, strings of Unicode text."""
-
-    CASES = [  # (value, admitted)
-        (nested(32), True), (nested(33), False), ({"a": nested(31)}, True), ({"a": nested(32)}, False),
-        (2**63 - 1, True), (2**63, False), (-2**63, True), (-2**63 - 1, False), (2**64 - 1, False),
-        ([0] * 99_999, True), ([0] * 100_000, False),  # 100,000 values at most, the list itself included
-        ([[0] * 49_998, [0] * 49_999], True), ([[0] * 49_999, [0] * 49_999], False),
-        ([json.loads('"\\ud83d\\ude00"')], True), ([json.loads('"\\ud83d"')], False),  # a surrogate pair is text; half is not
-    ]
-
-    async def test_a_tools_result_within_the_limits_is_delivered_and_beyond_them_refused(self):
-        class Returns(Fixtures):
-            async def invoke(self, call):
-                await super().invoke(call)
-                return self.value
-
-        for value, admitted in self.CASES:
-            with self.subTest(value=repr(value)[:20], admitted=admitted):
-                fixtures = Returns(delays={})
-                fixtures.value = value
-                result = await run_agent(scripted(calls(call("a", partition="north"))), fixtures=fixtures,
-                                         limits=dataclasses.replace(ROOMY, rounds=1))
-                obs = observations(result)[0]
-                self.assertEqual((obs["ok"], obs.get("error")), (True, None) if admitted else (False, "tool_exception"))
-
-    async def test_arguments_within_the_limits_reach_your_check_and_beyond_them_are_refused(self):
-        registry = {"echo": ToolSpec(1, True, True, validate=lambda args: True)}
-        cases = [({"x": value}, "round_limit" if admitted else "invalid_arguments")
-                 for value, admitted in self.CASES[4:9]]  # the integers
-        cases += [({"x": nested(31)}, "round_limit"), ({"x": nested(32)}, "invalid_arguments")]  # the object is a level
-        # The batch as a whole holds at most 100,000 values as well: here the list, its object, the call, the list of
-        # calls, and 99,994 values inside.
-        cases += [({"x": [0] * 99_994}, "round_limit"), ({"x": [0] * 99_995}, "invalid_batch")]
-        two = [call("a", "echo", x=[0] * 50_000), call("b", "echo", x=[1] * 50_000)]  # each within, both beyond
-        for arguments, status in cases + [(two, "invalid_batch")]:
-            with self.subTest(arguments=repr(arguments)[:30], status=status):
-                batch = arguments if type(arguments) is list else [{"call_id": "e", "name": "echo", "arguments": arguments}]
-                result = await run_agent(scripted(calls(*batch)), fixtures=FunctionTools({"echo": lambda **args: "ok"}),
-                                         registry=registry, limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
-                self.assertEqual(result["status"], status)
-
-
-class InvariantTests(RuntimeTestCase):
-    def assertInvariants(self, result, limits, fixtures, seed, *, default_accept=True):
-        where = f"seed {seed} (replay: AGENT_LOOP_SEED={seed})"
-        self.assertEqual(set(result), {"status", "answer", "used", "history", "trace"}, where)
-        self.assertIn(result["status"], STOP_STATUSES, where)
-        json.dumps(result, allow_nan=False)  # the result is plain JSON data, whatever came in
-        used = result["used"]
-        for budget in ("rounds", "calls", "credits"):
-            self.assertLessEqual(used[budget], getattr(limits, budget), where)
-        stops = [event for event in result["trace"] if event["event"] == "stop"]
-        self.assertEqual(len(stops), 1, where)
-        self.assertEqual({key: stops[0][key] for key in ("event", "status", *used)},
-                         {"event": "stop", "status": result["status"], **used}, where)
-        self.assertLessEqual(set(stops[0]), {"event", "status", *used, *WHY_FIELDS}, where)
-        self.assertEqual(result["trace"][-1]["event"], "stop", where)
-        self.assertNotIn("private", json.dumps(result), where)
-        if result["status"] == "completed":
-            if default_accept:
-                self.assertTrue(accepted(result["answer"], result["history"]), where)
-                self.assertEqual(result["answer"], PLAN, where)
-        else:
-            self.assertIsNone(result["answer"], where)
-        admitted = [item["call_id"] for record in result["history"] for item in record["calls"]]
-        self.assertEqual(len(admitted), len(set(admitted)), where)
-        for record in result["history"]:
-            self.assertEqual([obs["call_id"] for obs in record["observations"]],
-                             [item["call_id"] for item in record["calls"]], where)
-        self.assertFixturesClean(fixtures, where)
-        self.assertLessEqual(set(fixtures.started), set(admitted), where)  # nothing ran that was not admitted
-        self.assertEqual(used["calls"], len(fixtures.started), where)  # every started call counted once
-
-    def assertFixturesClean(self, fixtures, where):
-        self.assertEqual(fixtures.active, 0, where)
-        self.assertEqual(sorted(fixtures.started), sorted(fixtures.finished), where)
-        self.assertEqual(len(fixtures.started), len(set(fixtures.started)), where)
-        self.assertNoTaskLeft()
-
-    async def test_hostile_decisions_never_break_the_runtime(self):
-        for seed in seeds(1200):
-            rng = random.Random(seed)
-            with self.subTest(seed=seed):
-                limits = Limits(tool_seconds=1, model_seconds=0.02, total_seconds=10)  # a hanging model costs 20 ms
-                fixtures = Fixtures(delays={})
-                # Now and then a final check that accepts anything: what completes must still be plain data.
-                permissive = rng.random() < 0.2
-                accept = (lambda answer, history: True) if permissive else accepted
-                result = await run_agent(hostile_model(rng), limits=limits, fixtures=fixtures, accept=accept)
-                self.assertInvariants(result, limits, fixtures, seed, default_accept=not permissive)
-
-    async def test_hostile_tools_never_break_the_runtime(self):
-        for seed in seeds(300):
-            rng = random.Random(seed)
-            with self.subTest(seed=seed):
-                limits = Limits(tool_seconds=0.02, total_seconds=10)
-                fixtures = HostileTools(rng, delays={})
-                registry = random_registry(rng) if rng.random() < 0.5 else None
-                result = await run_agent(limits=limits, fixtures=fixtures, registry=registry)
-                self.assertInvariants(result, limits, fixtures, seed)
-
-    async def test_random_faults_and_budgets_keep_every_invariant(self):
-        for seed in seeds(150):
-            rng = random.Random(seed)
-            with self.subTest(seed=seed):
-                limits = random_limits(rng)
-                delays = {key: rng.choice([0, 0.001, 0.01]) for key in ("north", "south", "compute_plan")}
-                fixtures = Fixtures(failures=random_failures(rng), delays=delays, inject=rng.random() < 0.3)
-                result = await run_agent(limits=limits, fixtures=fixtures, registry=random_registry(rng))
-                self.assertInvariants(result, limits, fixtures, seed)
-
-    async def test_runs_cancelled_at_random_instants_clean_up_first(self):
-        for seed in seeds(150):
-            rng = random.Random(seed)
-            with self.subTest(seed=seed):
-                await self.cancelled_run(rng, seed)
-
-    async def cancelled_run(self, rng, seed):
-        where = f"seed {seed} (replay: AGENT_LOOP_SEED={seed})"
-        limits = dataclasses.replace(ROOMY, tool_seconds=rng.choice([0.02, 5]))
-        how = rng.choice(["event", "task"])
-        when = rng.choice(["timer", "tool_finish", "tool_start"])
-        cancel, run = asyncio.Event(), None
-        fired = []
-
-        def fire():
-            fired.append(when)
-            if how == "event":
-                cancel.set()
-            else:
-                run.cancel()
-
-        class Trigger(Fixtures):
-            async def invoke(self, call):
-                if when == "tool_start" and rng.random() < 0.4:
-                    fire()
-                try:
-                    return await super().invoke(call)
-                finally:
-                    if when == "tool_finish" and rng.random() < 0.4:
-                        fire()
-
-        delays = {key: rng.choice([0, 0.002, 0.01, 0.03]) for key in ("north", "south", "compute_plan")}
-        fixtures = Trigger(delays=delays, failures=random_failures(rng) if rng.random() < 0.3 else {})
-        registry = random_registry(rng) if rng.random() < 0.5 else None
-        run = asyncio.create_task(run_agent(limits=limits, fixtures=fixtures, cancel=cancel, registry=registry))
-        if when == "timer":
-            asyncio.get_running_loop().call_later(rng.choice([0, 0.001, 0.005, 0.02, 0.04]), fire)
-        try:
-            result = await run
-        except asyncio.CancelledError:
-            self.assertEqual(how, "task", where)
-            self.assertFixturesClean(fixtures, where)  # every started tool was cancelled and awaited first
-            return
-        self.assertInvariants(result, limits, fixtures, seed)
-        if how == "event" and fired and when != "timer":
-            # Set while a tool ran: the cancel wins in bounded, and is checked before any fatal observation.
-            self.assertEqual(result["status"], "cancelled", where)
-
-    async def test_a_model_that_raises_cancelled_error_by_itself_is_a_model_exception(self):
-        async def model(history):
-            raise asyncio.CancelledError()
-
-        result = await run_agent(model, limits=ROOMY)
-        self.assertEqual((result["status"], result["used"]["rounds"]), ("model_exception", 1))
-        self.assertNoTaskLeft()
-
-    async def test_a_tool_that_raises_cancelled_error_by_itself_is_a_tool_exception(self):
-        class SelfCancelling(Fixtures):
-            async def invoke(self, call):
-                await super().invoke(call)
-                raise asyncio.CancelledError()
-
-        fixtures = SelfCancelling()
-        result = await run_agent(fixtures=fixtures, limits=ROOMY)
-        self.assertEqual(result["status"], "tool_exception")
-        self.assertEqual(errors(result), ["tool_exception", "tool_exception"])
-        self.assertEqual((result["used"]["calls"], fixtures.active), (2, 0))
-
-    async def test_cancelling_the_runs_task_cancels_every_running_tool_first(self):
-        fixtures = Fixtures(delays={"north": 30, "south": 30})
-        run = asyncio.create_task(run_agent(fixtures=fixtures, limits=ROOMY))
-        await wait_until(lambda: fixtures.active == 2)
-        run.cancel()
-        with self.assertRaises(asyncio.CancelledError):
-            await run
-        self.assertEqual((fixtures.active, sorted(fixtures.cancelled)), (0, ["r1-north", "r1-south"]))
-        self.assertNoTaskLeft()
-
-    async def test_a_second_cancel_during_clean_up_still_waits_for_the_tools(self):
-        cleaning, release = [], asyncio.Event()
-
-        class SlowToDie(Fixtures):
-            async def invoke(self, call):
-                try:
-                    return await super().invoke(call)
-                except asyncio.CancelledError:
-                    cleaning.append(call["call_id"])
-                    await asyncio.shield(release.wait())  # clean-up that lasts until the test lets it end
-                    raise
-
-        serial = {**TOOLS, "read_partition": dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)}
-        for registry, running in ((TOOLS, ["r1-north", "r1-south"]), (serial, ["r1-north"])):
-            with self.subTest(parallel=registry is TOOLS):
-                cleaning.clear()
-                release.clear()
-                fixtures = SlowToDie(delays={"north": 30, "south": 30})
-                run = asyncio.create_task(run_agent(fixtures=fixtures, registry=registry, limits=ROOMY))
-                await wait_until(lambda: fixtures.active == len(running))
-                run.cancel()
-                await wait_until(lambda: len(cleaning) == len(running))
-                run.cancel()  # arrives while every tool is still cleaning up
-                for _ in range(10):
-                    await asyncio.sleep(0)
-                self.assertFalse(run.done())  # still waiting for the tools
-                release.set()
-                with self.assertRaises(asyncio.CancelledError):
-                    await run
-                self.assertEqual((fixtures.active, sorted(fixtures.finished)), (0, running))
-                self.assertNoTaskLeft()
-
-    async def test_a_tool_result_that_is_not_json_data_is_a_tool_exception(self):
-        class Returns(Fixtures):
-            def __init__(self, value):
-                super().__init__(delays={})
-                self.value = value
-
-            async def invoke(self, call):
-                await super().invoke(call)
-                return self.value
-
-        for value in (RaisingCopy(), {1, 2}, float("nan"), cyclic_list(), 2**70, deep(40), {1: "x"}, (1,), b"x"):
-            with self.subTest(value=type(value).__name__):
-                fixtures = Returns(value)
-                result = await run_agent(fixtures=fixtures, limits=ROOMY)
-                self.assertEqual((result["status"], errors(result)), ("tool_exception", ["tool_exception"] * 2))
-                self.assertEqual(result["used"], {"rounds": 1, "calls": 2, "credits": 7})
-                self.assertInvariants(result, ROOMY, fixtures, "specific")
-
-    async def test_an_answer_that_is_not_json_data_never_completes(self):
-        for answer in ({1, 2}, RaisingCopy(), float("inf"), cyclic_list()):
-            async def model(history, answer=answer):
-                return {"kind": "final", "answer": answer}  # handed over as is, not copied
-
-            with self.subTest(answer=type(answer).__name__):
-                result = await run_agent(model, accept=lambda answer, history: True, limits=ROOMY)
-                self.assertEqual((result["status"], result["answer"]), ("invalid_final", None))
-
-    async def test_specific_hostile_decisions(self):
-        cases = [  # (decision, status)
-            (cyclic_decision(), "invalid_call"), (DEEP, "invalid_decision"), ({"kind": "final", "answer": DEEP}, "invalid_final"),
-            ({"kind": "final", "answer": 10**5000}, "invalid_final"), ({"kind": "final", "answer": float("nan")}, "invalid_final"),
-            ({"kind": RaisingCopy(), "calls": []}, "invalid_decision"), ({"kind": "calls", "calls": [RaisingCopy()]}, "invalid_call"),
-            ({RaisingEq(): "calls", "calls": []}, "invalid_decision"),
-            ({"kind": EqualToAll("calls"), "calls": [call("a", partition="north")]}, "invalid_decision"),
-            (SneakyDict(kind="calls"), "invalid_decision"),
-        ]
-        for decision, status in cases:
-            async def model(history, decision=decision):
-                return decision  # handed over as is, never copied
-
-            with self.subTest(decision=type(decision).__name__, status=status):
-                fixtures = Fixtures(delays={})
-                result = await run_agent(model, fixtures=fixtures, accept=lambda answer, history: True, limits=ROOMY)
-                self.assertEqual((result["status"], result["used"]["calls"]), (status, 0))
-                self.assertInvariants(result, ROOMY, fixtures, "specific", default_accept=False)
-
-
-def unfolding(levels=5, width=1000):
-    """A few KB that unfold into width**levels paths: every level is one list, shared width times."""
-    value = []
-    for _ in range(levels):
-        value = [value] * width
-    return value
-
-
-class ForgedClass(Exception):
-    """An exception whose __class__ runs code: it raises the runtime's own Stop with a status of its choosing."""
-
-    @property
-    def __class__(self):
-        raise Stop("private status")
-
-
-class CustomBase(BaseException):
-    pass
-
-
-def on_another_loop(event):
-    """Bind event to an event loop of another thread, as a cancel event used in an earlier asyncio.run would be."""
-    async def bind():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), 0.01)
-
-    thread = threading.Thread(target=asyncio.run, args=(bind(),))
-    thread.start()
-    thread.join()
-    return event
-
-
-def garbage_replies(rng, count):
-    """Replies shaped like the providers' with plain data of the wrong type in random places."""
-    shapes = [responses_reply(message(output_text("x")), fc("c", "read_partition", {"partition": "north"})),
-              chat_reply("x", [tool_call("c", "read_partition", {"partition": "north"})], "tool_calls"),
-              anthropic_reply(text_block("x"), tool_use("c", "read_partition", {"partition": "north"}), stop_reason="tool_use")]
-    junk = [None, 0, 7.5, True, "", "text", [], [1, "a"], {}, {"type": "function_call"}, [{"type": None}]]
-
-    def spoil(value, depth=0):
-        if type(value) is dict and value and rng.random() < 0.8:
-            key = rng.choice(list(value))
-            return {**value, key: spoil(value[key], depth + 1) if rng.random() < 0.6 else rng.choice(junk)}
-        if type(value) is list and value and rng.random() < 0.8:
-            index = rng.randrange(len(value))
-            return value[:index] + [spoil(value[index], depth + 1)] + value[index + 1:]
-        return rng.choice(junk)
-
-    return [spoil(rng.choice(shapes)) for _ in range(count)]
-
-
-class HostileReviewTests(RuntimeTestCase):
-    """Eleven ways a hostile review broke "What holds whatever comes in", each pinned by its point's number."""
-
-    async def test_1_shared_sub_lists_that_unfold_into_10_to_the_15_paths_are_refused_within_the_deadline(self):
-        class Unfolds(Fixtures):
-            async def invoke(self, call):
-                await super().invoke(call)
-                return unfolding()
-
-        loop = asyncio.get_running_loop()
-        limits = Limits(tool_seconds=5, model_seconds=5, total_seconds=0.5)
-        for how, model, fixtures, status in (
-                ("an answer", scripted(final(unfolding())), Fixtures(), "invalid_final"),
-                ("a tool's result", scripted(calls(call("a", partition="north"))), Unfolds(delays={}), "tool_exception")):
-            with self.subTest(how=how):
-                start = loop.time()
-                result = await run_agent(model, fixtures=fixtures, limits=limits, accept=lambda answer, history: True)
-                self.assertLess(loop.time() - start, 3)
-                self.assertEqual(result["status"], status)
-
-    async def test_2_a_stop_iteration_from_a_plain_function_is_a_fault_not_a_timeout(self):
-        def no_match(**args):
-            return next(iter([]))
-
-        registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
-        result = await run_agent(scripted(calls(call("a", "f"))), fixtures=FunctionTools({"f": no_match}), registry=registry,
-                                 limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
-        self.assertEqual((errors(result), result["status"]), (["tool_exception"], "tool_exception"))
-        result = await run_agent(agent_loop.responses_model(no_match, "task"), limits=ROOMY)
-        self.assertEqual(result["status"], "model_exception")
-
-    async def test_3_abandoned_threads_never_starve_a_later_call(self):
-        gate = threading.Event()
-        self.addCleanup(gate.set)
-
-        def hangs(n):
-            gate.wait(30)
-
-        def instant(n):
-            return {"n": n}
-
-        async def model(history):  # 36 hanging calls, 4 a round, then one instant call, then an answer
-            number = len(history)
-            if number < 9:
-                return calls(*(call(f"h{number}-{i}", "hang", n=number * 4 + i) for i in range(4)))
-            return calls(call("i", "instant", n=0)) if number == 9 else final("done")
-
-        registry = {name: ToolSpec(0, True, True, validate=lambda args: True) for name in ("hang", "instant")}
-        tools = FunctionTools({"hang": hangs, "instant": instant})
-        limits = Limits(rounds=11, calls=40, credits=100, tool_seconds=0.05, model_seconds=5, total_seconds=30)
-        result = await run_agent(model, fixtures=tools, registry=registry, limits=limits, accept=lambda answer, history: True)
-        self.assertEqual((result["status"], len(tools.abandoned)), ("completed", 36))
-        self.assertEqual(observations(result)[-1]["data"], {"n": 0})  # admitted, started and finished at once
-        # The bridge's plain create as well: a call that is admitted actually starts.
-        plain_create = Recorder(responses_reply(message(output_text(json.dumps(PLAN)))))
-        result = await run_agent(agent_loop.responses_model(plain_create, "task"), limits=ROOMY)
-        self.assertEqual((result["status"], len(plain_create.requests)), ("invalid_final", 1))
-
-    async def test_4_other_base_exceptions_from_a_model_or_a_tool_are_their_fault(self):
-        faults = [GeneratorExit(), CustomBase(), BaseExceptionGroup("group", [GeneratorExit()])]
-        for fault in faults:
-            async def model(history, fault=fault):
-                raise fault
-
-            class Raises(Fixtures):
-                async def invoke(self, call, fault=fault):
-                    await super().invoke(call)
-                    raise fault
-
-            with self.subTest(fault=type(fault).__name__):
-                result = await run_agent(model, limits=ROOMY)
-                self.assertEqual(result["status"], "model_exception")
-                result = await run_agent(fixtures=Raises(delays={}), limits=ROOMY)  # a parallel batch
-                self.assertEqual((result["status"], errors(result)), ("tool_exception", ["tool_exception"] * 2))
-                self.assertEqual(asyncio.current_task().cancelling(), 0)
-        for escape in (asyncio.CancelledError(), GeneratorExit(), CustomBase()):
-            def raises(*args, escape=escape):
-                raise escape
-
-            with self.subTest(escape=type(escape).__name__):
-                self.assertEqual((await run_agent(accept=raises, limits=ROOMY))["status"], "invalid_final")
-                registry = {"get_rate": dataclasses.replace(CONVERSION_TOOLS["get_rate"], validate=raises)}
-                model = scripted(calls(call("r", "get_rate", base="EUR", quote="USD")))
-                result = await run_agent(model, fixtures=FunctionTools(RateDesk().functions()), registry=registry, limits=ROOMY, accept=never_accept)
-                self.assertEqual(result["status"], "invalid_arguments")
-                self.assertEqual(asyncio.current_task().cancelling(), 0)
-
-    async def test_5_a_cancel_the_runtime_cannot_wait_on_is_refused_before_the_model_is_asked(self):
-        for cancel, message in ((threading.Event(), "cancel must be an asyncio.Event"),
-                                (on_another_loop(asyncio.Event()), "cancel belongs to another event loop")):
-            with self.subTest(message=message):
-                asked = []
-                with self.assertRaises(ValueError) as raised:
-                    await run_agent(scripted(asked.append), cancel=cancel, limits=ROOMY)
-                self.assertEqual((str(raised.exception), asked), (message, []))
-        # And bounded itself never reads a wait that failed as a timeout.
-        fixtures = Fixtures(delays={"north": 10})
-        with self.assertRaises(Exception) as raised:
-            await bounded(lambda: fixtures.invoke(call("a", partition="north")), 5, on_another_loop(asyncio.Event()))
-        self.assertNotIsInstance(raised.exception, TimeoutError)
-        self.assertEqual((fixtures.cancelled, fixtures.active), (["a"], 0))
-
-    async def test_6_whatever_returns_an_awaitable_is_awaited(self):
-        async def rate(base, quote):
-            return {"rate_micros": 1_085_000}
-
-        class AsyncCall:
-            async def __call__(self, base, quote):
-                return await rate(base, quote)
-
-        for function in (AsyncCall(), functools.partial(rate), lambda **args: rate(**args)):
-            with self.subTest(function=function):
-                registry = {"get_rate": CONVERSION_TOOLS["get_rate"]}
-                result = await run_agent(scripted(calls(call("r", "get_rate", base="EUR", quote="USD"))), registry=registry,
-                                         fixtures=FunctionTools({"get_rate": function}), limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
-                self.assertEqual(observations(result)[0]["data"], {"rate_micros": 1_085_000})
-        reply = responses_reply(message(output_text("an answer")))
-
-        async def create(**request):
-            return reply
-
-        class AsyncCreate:
-            async def __call__(self, **request):
-                return reply
-
-        for create_method in (AsyncCreate(), functools.partial(create), lambda **request: create(**request)):
-            with self.subTest(create=create_method):
-                result = await run_agent(agent_loop.responses_model(create_method, "task"), limits=ROOMY)
-                self.assertEqual((result["status"], result["trace"][0]["kind"]), ("invalid_final", "final"))
-
-    async def test_8_a_cancelled_wait_for_abandoned_threads_leaves_no_unread_outcome(self):
-        gate, started = threading.Event(), threading.Event()
-
-        def fails_late():
-            started.set()
-            gate.wait(30)
-            raise RuntimeError("private late failure")
-
-        tools = FunctionTools({"f": fails_late})
-        registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
-        await run_agent(scripted(calls(call("a", "f"))), fixtures=tools, registry=registry,
-                        limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.05), accept=never_accept)
-        self.assertEqual(tools.abandoned, ["a"])
-        with self.assertRaises(TimeoutError):
-            await asyncio.wait_for(tools.wait_abandoned(30), 0.05)
-        with self.assertNoLogs("asyncio", level="ERROR"):
-            gate.set()
-            self.assertTrue(await tools.wait_abandoned(30))
-            for _ in range(3):
-                await asyncio.sleep(0)
-            del tools
-            gc.collect()
-
-    def test_9_malformed_replies_never_make_a_bridge_raise(self):
-        rng = random.Random(SEED)
-        for reply in garbage_replies(rng, 600):
-            for read in (agent_loop.from_responses, agent_loop.from_chat, agent_loop.from_messages):
-                with self.subTest(reply=reply, read=read.__name__):
-                    decision = read(reply)
-                    self.assertIs(type(decision), dict)
-                    self.assertIs(type(decision["kind"]), str)
-
-    async def assertFaultOfModelAndTool(self, make_exception):
-        """What the model raises is model_exception; what a tool raises, in a parallel batch, tool_exception."""
-        async def model(history):
-            raise make_exception()
-
-        class Raises(Fixtures):
-            async def invoke(self, call):
-                await super().invoke(call)
-                raise make_exception()
-
-        self.assertEqual((await run_agent(model, limits=ROOMY))["status"], "model_exception")
-        result = await run_agent(fixtures=Raises(delays={}), limits=ROOMY)
-        self.assertEqual((result["status"], errors(result)), ("tool_exception", ["tool_exception"] * 2))
-        self.assertNoPrivateText(result)
-
-    async def test_10_an_exception_cannot_forge_a_status_through_its_class(self):
-        await self.assertFaultOfModelAndTool(ForgedClass)
-
-    async def test_11_work_that_finishes_after_its_limit_does_not_count_as_within_it(self):
-        self.allowBlockingSteps()
-
-        def slow_accept(answer, history):
-            time.sleep(0.7)
-            return True
-
-        result = await run_agent(accept=slow_accept, limits=Limits(tool_seconds=5, model_seconds=5, total_seconds=0.5))
-        self.assertEqual(result["status"], "deadline")  # it accepted, but only after the deadline
-
-        async def blocks(**args):
-            time.sleep(0.3)  # holds the loop, so no timer can fire until it returns
-            return {"late": True}
-
-        registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
-        result = await run_agent(scripted(calls(call("a", "f"))), fixtures=FunctionTools({"f": blocks}), registry=registry,
-                                 limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.1), accept=never_accept)
-        self.assertEqual(errors(result), ["tool_timeout"])
-
-        def empties(answer, history):
-            history.clear()
-            answer.clear()
-            return True
-
-        result = await run_agent(accept=empties, limits=ROOMY)
-        self.assertEqual((result["status"], len(result["history"]), result["answer"]), ("completed", 2, PLAN))
-
-        async def async_accept(answer, history):
-            return True
-
-        with self.assertRaises(ValueError) as raised:
-            await run_agent(accept=async_accept, limits=ROOMY)
-        self.assertEqual(str(raised.exception), "accept must be a plain function")
-
-    async def test_11_the_time_left_is_read_after_the_copy_of_history(self):
-        self.allowBlockingSteps()
-        asked, real_copy = [], agent_loop._copy
-
-        def slow_copy(value):
-            if type(value) is list and value and "round" in value[0]:
-                time.sleep(0.4)  # a copy of history that takes longer than the time left
-            return real_copy(value)
-
-        async def model(history):
-            asked.append(len(history))
-            return await fake_model(history)
-
-        with unittest.mock.patch.object(agent_loop, "_copy", slow_copy):
-            result = await run_agent(model, limits=Limits(tool_seconds=5, model_seconds=5, total_seconds=0.3))
-        self.assertEqual((result["status"], asked), ("deadline", [0]))  # round 2's model never started
-
-    # A second hostile review, of the fixes above.
-
-    async def test_a_decision_changed_after_it_was_returned_changes_nothing_that_was_checked(self):
-        self.allowBlockingSteps()
-
-        def slow_check(args):
-            time.sleep(0.1)  # the model's thread strikes while this check runs
-            return valid_args("read_partition", args)
-
-        def change_later(decision, value):
-            time.sleep(0.03)
-            decision["calls"][0]["arguments"]["partition"] = value
-
-        for value in ("../etc/passwd", (1, 2), object()):
-            async def model(history, value=value):
-                if history:
-                    return final("done")
-                decision = calls(call("a", partition="north"))
-                threading.Thread(target=change_later, args=(decision, value)).start()
-                return decision
-
-            with self.subTest(value=repr(value)[:20]):
-                registry = {"read_partition": dataclasses.replace(TOOLS["read_partition"], validate=slow_check)}
-                fixtures = Fixtures(delays={})
-                result = await run_agent(model, fixtures=fixtures, registry=registry, limits=ROOMY)
-                self.assertEqual(result["history"][0]["calls"], [call("a", partition="north")])
-                self.assertEqual(observations(result)[0]["data"]["partition"], "north")
-
-        def change_answer(answer):
-            time.sleep(0.03)
-            answer["total_cents"] = 999999
-
-        def slow_accept(answer, history):
-            time.sleep(0.1)
-            return accepted(answer, history)
-
-        async def answers(history):
-            decision = await fake_model(history)
-            if decision["kind"] == "final":
-                threading.Thread(target=change_answer, args=(decision["answer"],)).start()
-            return decision
-
-        result = await run_agent(answers, accept=slow_accept, limits=ROOMY)
-        self.assertEqual((result["status"], result["answer"]), ("completed", PLAN))
-
-    async def test_an_exception_class_whose_name_raises_is_still_a_fault(self):
-        class Meta(type):
-            @property
-            def __name__(cls):
-                raise GeneratorExit("private")
-
-        class Odd(BaseException, metaclass=Meta):
-            pass
-
-        def plain(**args):
-            raise Odd()
-
-        await self.assertFaultOfModelAndTool(Odd)
-        tools = FunctionTools({"f": plain})
-        result = await run_agent(scripted(calls(call("a", "f"))), fixtures=tools, registry={"f": ToolSpec(1, True, True, validate=lambda args: True)},
-                                 limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
-        self.assertEqual(errors(result), ["tool_exception"])  # not a timeout: the thread set its outcome
-        self.assertTrue(await tools.wait_abandoned(1))
-
-    async def test_half_a_surrogate_pair_anywhere_is_refused_at_entry(self):
-        half = json.loads('"\\ud800"')
-
-        class Returns(Fixtures):
-            async def invoke(self, call):
-                await super().invoke(call)
-                return {half: 1}
-
-        result = await run_agent(scripted(calls(call("a", partition="north"))), fixtures=Returns(delays={}),
-                                 limits=dataclasses.replace(ROOMY, rounds=1))
-        self.assertEqual(errors(result), ["tool_exception"])
-        result = await run_agent(scripted(final({half: 1})), accept=lambda answer, history: True, limits=ROOMY)
-        self.assertEqual(result["status"], "invalid_final")
-        result = await run_agent(scripted(calls(call(half, partition="north"))), limits=ROOMY)
-        self.assertEqual((result["status"], result["history"]), ("invalid_batch", []))
-        json.dumps(result, ensure_ascii=False).encode()  # whatever came in, the result can be sent on
-
-    async def test_a_check_whose_introspection_raises_is_refused_as_a_value_error(self):
-        class Configured:
-            def __init__(self):
-                self.cfg = {}
-
-            def __getattr__(self, name):
-                return self.__dict__["cfg"][name]  # a KeyError, not an AttributeError
-
-            def __call__(self, *args):
-                return True
-
-        class Verdict:
-            @property
-            def __class__(self):
-                raise RuntimeError("private")
-
-        with self.assertRaises(ValueError):
-            await run_agent(accept=Configured(), limits=ROOMY)
-        result = await run_agent(accept=lambda answer, history: Verdict(), limits=ROOMY)
-        self.assertEqual(result["status"], "invalid_final")
-
-    async def test_a_cancel_set_and_cleared_at_once_still_cancels(self):
-        for where in ("tools", "model"):
-            cancel = asyncio.Event()
-
-            class Pulses(Fixtures):
-                async def invoke(self, call):
-                    if where == "tools" and call["call_id"] == "r1-south":
-                        cancel.set()
-                        cancel.clear()
-                    return await super().invoke(call)
-
-            async def model(history):
-                if where == "model":
-                    cancel.set()
-                    cancel.clear()
-                    await asyncio.sleep(0.01)
-                return await fake_model(history)
-
-            with self.subTest(where=where):
-                result = await run_agent(model, fixtures=Pulses(delays={"north": 0.5, "south": 0.5}), cancel=cancel,
-                                         limits=ROOMY)
-                self.assertEqual(result["status"], "cancelled")
-                self.assertNoTaskLeft()
-
-    async def test_a_coroutine_returned_by_an_abandoned_thread_is_closed(self):
-        gate = threading.Event()
-
-        async def convert(**args):
-            return {}
-
-        def late(**args):
-            gate.wait(30)
-            return convert()
-
-        tools = FunctionTools({"f": late})
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            await run_agent(scripted(calls(call("a", "f"))), fixtures=tools, registry={"f": ToolSpec(1, True, True, validate=lambda args: True)},
-                            limits=dataclasses.replace(ROOMY, rounds=1, tool_seconds=0.05), accept=never_accept)
-            gate.set()
-            self.assertTrue(await tools.wait_abandoned(30))
-            del tools  # the last reference to the late result
-            gc.collect()
-        self.assertEqual([str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)], [])
-
-    async def test_an_event_whose_wait_was_replaced_is_still_waited_on_the_class_way(self):
-        cancel = asyncio.Event()
-        cancel.wait = lambda: None  # an instance attribute: the runtime uses asyncio.Event.wait itself
-        result = await run_agent(cancel=cancel, limits=ROOMY)
-        self.assertEqual(result["status"], "completed")
-        self.assertNoTaskLeft()
-
-    async def test_async_checks_are_refused_in_every_form_inspect_can_see(self):
-        async def check(*args):
-            return True
-
-        async def generator(*args):
-            yield True
-
-        for accept in (staticmethod(check), generator, functools.partial(check)):
-            with self.subTest(accept=accept):
-                with self.assertRaises(ValueError):
-                    await run_agent(accept=accept, limits=ROOMY)
-
-
-# The result-ownership experiment (result_ownership.py, verify_ownership.py, expected.json)
-
-class WholeReadmeReviewTests(RuntimeTestCase):
-    """What a hostile review of the whole README broke, each pinned where it was fixed."""
-
-    LOOKUP = {"lookup": ToolSpec(1, True, True, parameters={
-        "type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"],
-        "additionalProperties": False})}
-
-    async def lookups(self, raise_it, parallel=False):
-        """A run of two lookups, each raising what raise_it(key) gives, then any final answer, accepted."""
-        def lookup(key):
-            raise raise_it(key)
-
-        registry = {"lookup": dataclasses.replace(self.LOOKUP["lookup"], parallel_safe=parallel)}
-        batch = calls(call("a", "lookup", key="north"), call("b", "lookup", key="south"))
-        return await run_agent(scripted(batch, final("done")), registry=registry, limits=ROOMY,
-                               fixtures=FunctionTools({"lookup": lookup}), accept=lambda answer, history: True)
-
-    async def test_a_tool_error_that_lost_its_message_is_still_a_tool_error_and_never_crashes_the_run(self):
-        class NotFound(agent_loop.ToolError):
-            def __init__(self, key):  # forgets super().__init__: there is no message
-                self.key = key
-
-        class Loud(agent_loop.ToolError):
-            @property
-            def message(self):
-                raise RuntimeError("private text from a property")
-
-            @message.setter
-            def message(self, value):
-                pass
-
-        class Shaped(agent_loop.ToolError):
-            def __init__(self, key):
-                super().__init__(key)
-                self.message = {"not": "text"}
-
-        for raised in (NotFound, Loud, Shaped):
-            for parallel in (False, True):
-                with self.subTest(raised=raised.__name__, parallel=parallel):
-                    result = await self.lookups(raised, parallel)
-                    self.assertEqual(result["status"], "completed")
-                    self.assertEqual([(obs["error"], obs["retryable"]) for obs in observations(result)],
-                                     [("tool_error", True)] * 2)
-                    self.assertEqual([obs.get("message") for obs in observations(result)], [None, None])
-                    self.assertNoPrivateText(result)
-
-    async def test_a_tool_errors_message_is_kept_to_max_message_characters_from_any_tools(self):
-        result = await self.lookups(lambda key: agent_loop.ToolError(key * 10_000))
-        self.assertEqual([obs["message"] for obs in observations(result)],
-                         ["north" * 200, "south" * 200])
-        self.assertEqual(agent_loop.MAX_MESSAGE, 1_000)
-
-    async def test_only_the_runtimes_own_fault_names_a_class_of_its_choosing(self):
-        Fault = agent_loop._Fault
-        for what, error_type in ((Fault(123), "_Fault"), (Fault("password=hunter2 private"), "_Fault"),
-                                 (Fault(StopIteration), "StopIteration")):
-            async def model(history, what=what):
-                raise what
-
-            with self.subTest(what=what):
-                result = await run_agent(model, limits=ROOMY)
-                self.assertEqual((result["status"], result["trace"][-1]["error_type"]),
-                                 ("model_exception", error_type))
-                self.assertNoPrivateText(result)
-
-                def tool(key, what=what):
-                    raise what
-
-                tools = FunctionTools({"lookup": tool})
-                result = await run_agent(scripted(calls(call("a", "lookup", key="k"))), registry=self.LOOKUP,
-                                         fixtures=tools, limits=ROOMY, accept=never_accept)
-                self.assertEqual([(obs["error"], obs["error_type"]) for obs in observations(result)],
-                                 [("tool_exception", error_type)])
-        # The runtime's own faults name the class that was raised in the first place.
-        for raised in (asyncio.CancelledError, GeneratorExit, Stop):
-            async def model(history, raised=raised):
-                raise raised("private")
-
-            with self.subTest(model_raised=raised.__name__):
-                result = await run_agent(model, limits=ROOMY)
-                self.assertEqual(result["trace"][-1]["error_type"], raised.__name__)
-        for raised in (SystemExit, StopIteration, KeyboardInterrupt):
-            def tool(key, raised=raised):
-                raise raised("private")
-
-            with self.subTest(thread_raised=raised.__name__):
-                result = await run_agent(scripted(calls(call("a", "lookup", key="k"))), registry=self.LOOKUP,
-                                         fixtures=FunctionTools({"lookup": tool}), limits=ROOMY, accept=never_accept)
-                self.assertEqual(result["trace"][-1]["error_type"], raised.__name__)
-                self.assertNoPrivateText(result)
-
-    async def test_a_call_id_that_is_not_plain_text_never_reaches_a_stop_event(self):
-        cases = [  # (batch, status): each stop names its call, when it can
-            ([call("\ud800", partition="north"), call("\ud800", partition="south")], "duplicate_call_id"),
-            ([call("\ud800", "place_order")], "unknown_tool"),
-            ([call("\ud800", partition="west")], "invalid_arguments"),
-        ]
-        for batch, status in cases:
-            with self.subTest(status=status):
-                result = await run_agent(scripted(calls(*batch)), limits=ROOMY)
-                stop = result["trace"][-1]
-                self.assertEqual(stop["status"], status)
-                self.assertNotIn("call_id", stop)
-                json.dumps(result, ensure_ascii=False).encode()  # UTF-8 takes all of it
-        result = await run_agent(scripted(calls(call("a", partition="west"))), limits=ROOMY)
-        self.assertEqual(result["trace"][-1]["call_id"], "a")  # a plain id is named as before
-
-    async def test_bounded_refuses_a_wait_it_cannot_bound(self):
-        async def never():
-            await asyncio.Event().wait()
-
-        for seconds in (float("nan"), float("inf"), -1, 0, True, "5", 10 ** 400):
-            with self.subTest(seconds=seconds), self.assertRaises(ValueError) as raised:
-                await bounded(never, seconds, asyncio.Event())
-            self.assertEqual(str(raised.exception), "seconds must be a finite number > 0")
-        self.assertNoTaskLeft()
-
     def test_the_command_line_refuses_a_mix_before_it_touches_a_file(self):
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "kept.svg")
@@ -4560,62 +5190,6 @@ class WholeReadmeReviewTests(RuntimeTestCase):
             with open(path, encoding="utf-8") as file:
                 self.assertTrue(file.read().startswith("<?xml"))
 
-
-class SecondWholeReadmeReviewTests(RuntimeTestCase):
-    """What a second hostile review of the whole README broke, each pinned where it was fixed."""
-
-    async def test_a_final_text_that_is_json_but_not_plain_data_reaches_the_final_check_as_text(self):
-        judged = []
-
-        def accept(answer, history):
-            judged.append(answer)
-            return True
-
-        for text in ("123456789012345678901234", "NaN", "1e999", '{"a": 1, "a": 2}', '"\\ud800"'):
-            async def create(**request):
-                return {"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": text}}]}
-
-            with self.subTest(text=text):
-                model = agent_loop.chat_model(create, "Give the order id.", registry=CONVERSION_TOOLS)
-                result = await run_agent(model, registry=CONVERSION_TOOLS, fixtures=FunctionTools(RateDesk().functions()),
-                                         accept=accept, limits=ROOMY)
-                self.assertEqual((result["status"], result["answer"], judged[-1]), ("completed", text, text))
-        async def create(**request):
-            return {"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": '{"total": 5}'}}]}
-
-        model = agent_loop.chat_model(create, "Give the order id.", registry=CONVERSION_TOOLS)
-        result = await run_agent(model, registry=CONVERSION_TOOLS, fixtures=FunctionTools(RateDesk().functions()),
-                                 accept=accept, limits=ROOMY)
-        self.assertEqual(result["answer"], {"total": 5})  # plain JSON data is still parsed
-
-    async def test_an_observed_refusal_stops_with_the_first_calls_own_stop_whatever_comes_before_it(self):
-        tools = {"t": ToolSpec(1, True, True, parameters={"type": "object", "additionalProperties": False})}
-        cases = [  # (batch, status): the first call is refused, a later one has a stop of its own
-            ([call("a", "nope"), call("b", "bad name"), call("", "t")], "invalid_call_id"),
-            ([call("a", "nope"), call("b", "bad name"), "not a dict"], "invalid_call"),
-            ([call("a", "nope"), call("b", "bad name"), call("a", "t")], "duplicate_call_id"),
-            ([call("a", "nope"), ("a", "tuple")], "invalid_call"),
-            ([call("a", "bad name", x={1, 2}), call("b", "t"), call("c", "t")], "repeat_limit"),
-            ([call("a", "nope"), call("b", "bad name")], "unknown_tool"),  # no own stop: the refusal stops it
-        ]
-        for batch, status in cases:
-            with self.subTest(status=status, batch=repr(batch)[:60]):
-                result = await run_agent(scripted(calls(*batch)), registry=tools, fixtures=FunctionTools({"t": dict}),
-                                         limits=dataclasses.replace(ROOMY, attempts=1), accept=never_accept,
-                                         on_refused="observe")
-                self.assertEqual((result["status"], result["history"]), (status, []))
-
-    async def test_a_cancel_set_and_cleared_at_once_by_accept_still_cancels(self):
-        cancel = asyncio.Event()
-
-        def pulses(answer, history):
-            cancel.set()
-            cancel.clear()
-            return accepted(answer, history)
-
-        result = await run_agent(cancel=cancel, accept=pulses, limits=ROOMY)
-        self.assertEqual(result["status"], "cancelled")
-
     @unittest.skipUnless(os.path.exists("/dev/full"), "needs /dev/full, a file that refuses every write")
     def test_a_drawing_that_cannot_be_written_is_an_error_line_not_a_traceback(self):
         for argv in (("demo", "--svg", "/dev/full"), ("scenarios", "cancelled", "--svg", "/dev/full")):
@@ -4625,13 +5199,92 @@ class SecondWholeReadmeReviewTests(RuntimeTestCase):
                 self.assertNotIn("Traceback", done.stderr)
                 self.assertIn("No space left on device", done.stderr)
 
+    async def test_every_outcome_starts_in_one_terminal_column_whatever_the_labels(self):
+        async def read_stock(sku):
+            await asyncio.sleep(0.01)
+            return {"sku": sku, "stock": 4}
 
-class ThirdWholeReadmeReviewTests(RuntimeTestCase):
-    """What a third hostile review broke (the timeline and the bridges' options), each pinned where it was fixed."""
+        long_id = "长" * 40
+        ids = ["北-1", "南-1", long_id, "cafe\u0301"]  # wide characters, a label too long, a combining accent
+        registry = {"读取库存": ToolSpec(1, True, True, parameters=READ)}
+        model = scripted(calls(*[call(cid, "读取库存", sku=str(n)) for n, cid in enumerate(ids)]), final("done"))
+        timeline = agent_loop.Timeline()
+        tools = timeline.tools(agent_loop.FunctionTools({"读取库存": read_stock}))
+        result = await run_agent(timeline.model(model), fixtures=tools, registry=registry, accept=any_answer,
+                                 on_event=timeline.event, limits=ROOMY)
+        self.assertEqual(result["status"], "completed")
+        drawing = timeline.text(result, width=100)
+        lanes = [line for line in drawing.splitlines() if line.startswith("  ") and line[2] != " "]
+        self.assertEqual(len(lanes), 2 + len(ids))  # two decisions and four calls
+        starts = {columns(line.rsplit(" ", 1)[0]) + 1 for line in lanes}  # the column where the outcome begins
+        self.assertEqual(len(starts), 1, drawing)
+        self.assertTrue(all(columns(line) <= 100 for line in drawing.splitlines()))
+        (cut,) = [line for line in lanes if "..." in line]
+        label = cut[2:cut.index("...") + 3]
+        self.assertEqual((label, columns(label)), ("长" * 12 + "...", 27))  # at most 30 - 3 columns
+        (accented,) = [line for line in lanes if "cafe" in line]
+        self.assertTrue(accented.startswith("  cafe\u0301 读取库存" + " " * (28 - 13)))
+
+class TimelineRecorderTests(RuntimeTestCase):
+    """PART 12: a Timeline records a run without changing it, draws only a run it saw whole, and marks only limits that cut."""
 
     async def drawn(self, timeline, fixtures, model=fake_model, **options):
         return await run_agent(timeline.model(model), fixtures=timeline.tools(fixtures), on_event=timeline.event,
                                **{"limits": ROOMY, **options})
+
+    async def test_a_timeline_keeps_every_refusal_and_draws_only_the_one_run_it_saw_whole(self):
+        def plain_model(history):  # not async: a model_exception, drawn or not
+            return final(PLAN)
+
+        for wrap in (False, True):
+            timeline = agent_loop.Timeline()
+            model = timeline.model(plain_model) if wrap else plain_model
+            self.assertEqual((await run_agent(model, limits=ROOMY))["status"], "model_exception")
+        timeline = agent_loop.Timeline()
+        tools = timeline.tools(agent_loop.FunctionTools({"get_rate": RateDesk().get_rate}))
+        await self.assertRefusedBeforeTheModelIsAsked("convert: FunctionTools has no function for it", fixtures=tools,
+                                                      registry=CONVERSION_TOOLS, accept=conversion_accepted)
+        # A Timeline is for one run: another run, or a model wrapped twice, is refused, not drawn wrong.
+        timeline = agent_loop.Timeline()
+        for _ in range(2):
+            result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures()),
+                                     on_event=timeline.event, limits=ROOMY)
+        with self.assertRaises(ValueError):
+            timeline.text(result)
+        timeline = agent_loop.Timeline()
+        result = await run_agent(timeline.model(fake_model), on_event=timeline.event, limits=ROOMY)
+        with self.assertRaises(ValueError):  # its calls ran, but were not recorded
+            timeline.text(result)
+        timeline, cancel = agent_loop.Timeline(), asyncio.Event()
+        cancel.set()
+        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures()), cancel=cancel,
+                                 on_event=timeline.event, limits=ROOMY)
+        self.assertEqual(timeline.text(result), "cancelled: no decision was asked\n")
+        for width in (10, 100.0):
+            with self.assertRaises(ValueError):
+                timeline.text(result, width=width)
+
+    async def test_each_limit_is_marked_where_it_acted_and_only_there(self):
+        # A serial batch: north is cut by tool_seconds, south then by the run's deadline.
+        registry = {**TOOLS, "read_partition": dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)}
+        limits = Limits(tool_seconds=0.2, model_seconds=5, total_seconds=0.35)
+        timeline = agent_loop.Timeline(limits)
+        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures(delays={"north": 30,
+                                 "south": 30})), registry=registry, on_event=timeline.event, limits=limits)
+        marks = [line.strip() for line in timeline.text(result).splitlines() if line.strip().startswith("^")]
+        self.assertEqual((result["status"], marks), ("deadline", ["^ tool_seconds", "^ deadline"]))
+
+        class OwnTimeout(Fixtures):  # a tool's own TimeoutError, long before its limit: no limit acted
+            async def invoke(self, call):
+                await super().invoke(call)
+                raise TimeoutError()
+
+        limits = dataclasses.replace(ROOMY, rounds=1)
+        timeline = agent_loop.Timeline()
+        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(OwnTimeout(delays={})),
+                                 on_event=timeline.event, limits=limits)
+        self.assertEqual(errors(result), ["tool_timeout", "tool_timeout"])
+        self.assertNotIn("^", timeline.text(result))
 
     async def test_a_tool_that_edits_its_own_call_changes_nothing_under_a_timeline(self):
         for edit in ("delete", "rename"):
@@ -4743,32 +5396,110 @@ class ThirdWholeReadmeReviewTests(RuntimeTestCase):
         self.assertEqual(seen, result["trace"])
         timeline.text(result)
 
-    async def test_a_bridge_refuses_options_it_would_replace_and_takes_opening_turns_as_task(self):
-        for bridge, key in ((agent_loop.responses_model, "input"), (agent_loop.chat_model, "messages")):
-            for own in (key, "tools"):
-                with self.subTest(bridge=bridge.__name__, option=own), self.assertRaises(ValueError) as raised:
-                    bridge(lambda **request: None, "the task", **{own: []})
-                self.assertTrue(str(raised.exception).startswith(f"{own}: the bridge builds it"))
-        requests = []
 
-        async def create(**request):
-            requests.append(request)
-            return {"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": "done"}}]}
+# The README's examples, and the result-ownership experiment (result_ownership.py, verify_ownership.py,
+# expected.json)
 
-        opening = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the task"}]
-        model = agent_loop.chat_model(create, opening, registry=CONVERSION_TOOLS, model="m")
-        result = await run_agent(model, registry=CONVERSION_TOOLS, fixtures=FunctionTools(RateDesk().functions()),
-                                 accept=lambda answer, history: answer == "done", limits=ROOMY)
-        self.assertEqual((result["status"], requests[0]["messages"]), ("completed", opening))
-        opening.append({"role": "user", "content": "changed later"})
-        await model([])
-        self.assertEqual(len(requests[-1]["messages"]), 2)  # the bridge keeps its own copy of the turns
-        for task in ("", [], [{"role": "user", "content": float("nan")}], ["text"], None):
-            with self.subTest(task=task), self.assertRaises(ValueError):
-                agent_loop.chat_model(create, task)
+    async def test_a_run_recorded_in_part_is_a_value_error_for_every_drawing(self):
+        cases = [  # (what was left out, run_agent's arguments given a agent_loop.Timeline, the message)
+            ("timeline.model", lambda t: {"model": fake_model, "fixtures": t.tools(retrying()), "on_event": t.event},
+             "decisions were asked that this Timeline did not record: give run_agent timeline.model(model)"),
+            ("timeline.tools", lambda t: {"model": t.model(fake_model), "fixtures": retrying(), "on_event": t.event},
+             "calls ran that were not recorded: give run_agent fixtures=timeline.tools(...)"),
+            ("on_event", lambda t: {"model": t.model(fake_model), "fixtures": t.tools(retrying())},
+             "this Timeline did not see this run's events, or saw another run's too: give run_agent "
+             "on_event=timeline.event, one Timeline per run"),
+        ]
+        for left_out, arguments, message in cases:
+            timeline = agent_loop.Timeline()
+            result = await run_agent(**arguments(timeline), limits=ROOMY)
+            self.assertEqual((result["status"], result["used"]["rounds"]), ("completed", 4))
+            for draw in (timeline.lanes, timeline.text, timeline.svg):
+                with self.subTest(left_out=left_out, draw=draw.__name__):
+                    with self.assertRaises(ValueError) as raised:
+                        draw(result)
+                    self.assertEqual(str(raised.exception), message)
+
+    async def test_one_timeline_for_two_runs_draws_neither(self):
+        timeline = agent_loop.Timeline()
+        results = [await run_agent(timeline.model(fake_model), fixtures=timeline.tools(retrying()),
+                                   on_event=timeline.event, limits=ROOMY) for _ in range(2)]
+        for number, result in enumerate(results, 1):
+            for draw in (timeline.text, timeline.svg):
+                with self.subTest(run=number, draw=draw.__name__), self.assertRaises(ValueError):
+                    draw(result)
+
+    async def test_a_run_recorded_whole_draws_every_round(self):
+        timeline = agent_loop.Timeline()
+        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(retrying()),
+                                 on_event=timeline.event, limits=ROOMY)
+        drawing = timeline.text(result)
+        self.assertEqual([line for line in drawing.splitlines() if line.startswith("round")],
+                         ["round 1", "round 2", "round 3", "round 4"])
+        self.assertEqual(drawing.count("  model "), 4)
+
+    async def test_a_watcher_that_edits_its_events_changes_neither_the_record_nor_the_drawing(self):
+        def meddle(event):
+            seen.append(event)
+            event["event"] = "edited"
+            event.pop("round", None)
+
+        async def meddle_async(event):
+            meddle(event)
+
+        for watcher in (meddle, meddle_async):
+            with self.subTest(watcher=watcher.__name__):
+                seen, timeline = [], agent_loop.Timeline()
+                result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(retrying()),
+                                         on_event=timeline.watching(watcher), limits=ROOMY)
+                self.assertEqual(len(seen), len(result["trace"]))  # the watcher saw every event
+                self.assertEqual([event for _, event in timeline.events], result["trace"])
+                self.assertTrue(timeline.text(result).splitlines()[-1].startswith("completed: "))
+
+class ReadmeTests(RuntimeTestCase):
+    """The README: its shapes of a run come from real runs, and its code blocks run as written."""
+
+    async def test_the_shapes_are_those_of_real_runs(self):
+        retry = await run_agent(fixtures=Fixtures(failures={"north": ["temporary"]}))
+        scenario, _ = await agent_loop.run_scenario("invalid_arguments")
+        blocks = [json.loads(block) for block in code_blocks(readme_section("How a run ends"), "json")]
+        self.assertEqual(blocks, [retry["history"][0], scenario])
+
+    def test_the_size_table_is_counted_from_the_modules_banners(self):
+        with open(os.path.join(HERE, "agent_loop.py"), encoding="utf-8") as file:
+            lines = file.read().splitlines()
+        starts = {int(m[1]): i for i, line in enumerate(lines) if (m := re.match(r"# PART (\d+):", line))}
+        above, whole = [], []
+        for n in range(1, 6):
+            tail = next(i for i in range(starts[n], starts[n + 1]) if lines[i].startswith(f"# PART {n}, hard cases: "))
+            above.append(tail - starts[n])
+            whole.append(starts[n + 1] - starts[n])
+        table = readme_section("The five parts, beside the article")
+        shown = {row[0]: [int(cell.replace(",", "")) for cell in row[1:]]
+                 for row in re.findall(r"^\| ([^|]+?) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| "
+                                       r"([\d,]+) \|$", table, re.M)}
+        self.assertEqual(shown, {"the article": [73, 83, 53, 123, 14, 346], "here, above the tail": [*above, sum(above)],
+                                 "here, with the tail": [*whole, sum(whole)]})
+        self.assertEqual(sum(whole), starts[6] - starts[1])
+
+    def test_the_limits_table_gives_every_field_and_its_default(self):
+        rows = re.findall(r"^\| `(\w+)` \| ([\d.]+) \|", readme_section("Copy it into your own prototype"), re.M)
+        self.assertEqual([(name, float(default)) for name, default in rows],
+                         [(field.name, float(field.default)) for field in dataclasses.fields(Limits)])
+
+    def test_the_own_prototype_example_runs_as_written(self):
+        example = [block for block in code_blocks(readme_section("Copy it into your own prototype"), "python")
+                   if "def check(answer, history)" in block]
+        self.assertEqual(len(example), 1)
+        printed = re.search(r"print\(.*\)  # (.*)", example[0]).group(1)
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            exec(compile(example[0], "README.md", "exec"), {"__name__": "readme_example"})
+        self.assertEqual(out.getvalue(), printed + "\n")
 
 
 class OwnershipTests(unittest.IsolatedAsyncioTestCase):
+    """result_ownership.py: the experiment matches its oracle, fails loudly when it cannot hold, and the verifier says where."""
+
     def oracle(self):
         with open(os.path.join(HERE, "expected.json"), encoding="utf-8") as file:
             return json.load(file)
@@ -4857,6 +5588,7 @@ class OwnershipTests(unittest.IsolatedAsyncioTestCase):
     def test_the_delivery_boundary_refuses_an_unknown_mode(self):
         with self.assertRaises(ValueError):
             result_ownership.DeliveryBoundary(result_ownership.ReusedCache(), "copy_on_write")
+
 
 if __name__ == "__main__":
     unittest.main()
