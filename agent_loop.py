@@ -9,6 +9,7 @@
 
 import argparse
 import asyncio
+import dataclasses
 import concurrent.futures
 import contextlib
 import copy
@@ -19,7 +20,9 @@ import math
 import os
 import platform
 import re
+import sqlite3
 import statistics
+import tempfile
 import sys
 import threading
 import time
@@ -784,10 +787,9 @@ def _passes(check, *args):
 MODEL_COST = 3  # credits for one model decision, paid before the model is asked
 # Every way a run can end, and the errors that only ever appear on one call's observation.
 STOP_STATUSES = (
-    "completed", "round_limit", "call_limit", "credit_limit", "deadline", "cancelled",
-    "model_timeout", "model_exception", "invalid_decision", "invalid_final",
-    "invalid_batch", "invalid_call", "invalid_call_id", "duplicate_call_id", "unknown_tool",
-    "permission_denied", "invalid_arguments", "repeat_limit", "tool_exception",
+    "completed", "round_limit", "call_limit", "credit_limit", "deadline", "cancelled", "model_timeout",
+    "model_exception", "invalid_decision", "invalid_final", "invalid_batch", "invalid_call", "invalid_call_id",
+    "duplicate_call_id", "unknown_tool", "permission_denied", "invalid_arguments", "repeat_limit", "tool_exception",
 )
 OBSERVATION_ERRORS = ("temporary", "tool_timeout", "batch_aborted", "tool_error")
 WHY_FIELDS = ("call_id", "name", "error_type", "reason")  # what a failed call's observation says of why
@@ -795,24 +797,23 @@ REFUSAL_POLICIES = {"stop": lambda *refused: None}  # a refused batch -> the rou
 
 
 async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None, registry=None, accept=accepted,
-                    on_refused="stop", on_event=None):
+                    on_refused="stop", on_event=None, store=None, run_id=None):
     """Run decisions and tool batches until an answer passes the final check or a rule stops the run.
 
     Returns a copy of {"status": one of STOP_STATUSES, "answer": None unless completed, "used": {"rounds", "calls",
     "credits"}, "history": a {"round", "calls", "observations"} per round, "trace": its events}. Each event counts
     what was used so far: "decision" (its "kind"), "observations" (the "ids" in request order, "parallel"), "stop"
     (the "status"; a failed run's says why: "call_id", "name", "reason", "error_type", or the "rejected" answer).
-    on_event watches each event, a copy as it is traced; on_refused is the refusal policy (PART 7 adds one)."""
+    on_event, on_refused, store and run_id are seams for a watcher and later parts: see _checked_run."""
     loop = asyncio.get_running_loop()
-    limits, cancel, registry, tools = _checked_run(loop, model, limits, fixtures, cancel, registry, accept,
-                                                   on_refused, on_event)
-    deadline = loop.time() + limits.total_seconds
+    limits, cancel, registry, tools, journal = _checked_run(loop, model, limits, fixtures, cancel, registry, accept,
+                                                            on_refused, on_event, store, run_id)
+    deadline = loop.time() + limits.total_seconds - journal.elapsed  # a resumed run's time counts from its start
     used = {"rounds": 0, "calls": 0, "credits": 0}
     history, trace = [], []
     used_ids, attempts = set(), Counter()
 
-    def time_left():
-        """Raise Stop if the run is cancelled or past its deadline; else return the seconds left."""
+    def time_left():  # raise Stop if the run is cancelled or past its deadline; else return the seconds left
         if _was_set(cancel, cancel_wait):
             raise Stop("cancelled")
         left = deadline - loop.time()
@@ -820,16 +821,14 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             raise Stop("deadline")
         return left
 
-    async def emit(event):
-        """Trace the event, then hand a copy to the watcher, if any, bounded like every wait of the run."""
-        trace.append(event)
-        if on_event is not None:
-            with contextlib.suppress(Exception):  # it raised, or ran out of time: its loss, not the run's
-                await _watch(on_event, _copy(event), min(limits.tool_seconds, deadline - loop.time()), cancel,
-                             cancel_wait)
+    async def watch(event):  # hand a copy to the watcher, if any, bounded like every wait of the run
+        await _watch(on_event, event, min(limits.tool_seconds, deadline - loop.time()), cancel, cancel_wait)
 
-    async def observe(item):
-        """Run one admitted call and return its observation; nothing it raises escapes."""
+    async def emit(event):  # trace the event, and let the watcher see it
+        trace.append(event)
+        await watch(event)
+
+    async def observe(item):  # run one admitted call and return its observation; nothing it raises escapes
         try:
             seconds = min(limits.tool_seconds, time_left())
         except Stop as stop:  # overtaken by a stop: neither started nor counted
@@ -842,19 +841,25 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             return _tool_failure(item, error)
         return _success(item, data)
 
-    async def finish(status, answer=None, **why):
-        await emit({"event": "stop", "status": status, **used, **why})
-        return _copy({"status": status, "answer": answer, "used": used, "history": history, "trace": trace})
+    async def finish(status, answer=None, **why):  # the stop event and the result, saved before the watcher sees them
+        trace.append({"event": "stop", "status": status, **used, **why, **journal.named})
+        result = journal.save(_copy({"status": status, "answer": answer, "used": used, "history": history,
+                                     "trace": trace, **journal.named}))  # superseded if another process took the run
+        await watch(result["trace"][-1])
+        return result
 
     cancel_wait = asyncio.create_task(asyncio.Event.wait(cancel))  # one wait on the cancel event, for the whole run
     try:
-        while used["rounds"] < limits.rounds:
-            turn = used["rounds"] + 1
+        ended = await journal.resume(used, history, trace, used_ids, attempts, emit)  # a saved run: where it stopped
+        if ended is not None:
+            return ended
+        for turn in range(used["rounds"] + 1, limits.rounds + 1):  # a resumed run goes on from the rounds it paid
             # Decide, paid first: a decision costs its credits before the model is asked, and is never refunded.
             time_left()
             _within_budget(used, limits, 0, MODEL_COST, "a decision")
             used["rounds"] += 1
             used["credits"] += MODEL_COST
+            journal.save()  # paid: a crash from here on keeps this round and its credits spent
             view = _copy(history)  # the model's own copy, made fresh every round: it cannot edit our history
             seconds = min(limits.model_seconds, time_left())  # read after the copy, which takes time too
             try:
@@ -882,6 +887,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
                 history.append(record)  # nothing ran; the model decides again, and sees why
                 await emit({"event": "refused", "round": turn, "status": str(stop), "ids": _ids(record), **stop.why,
                             **used})
+                journal.save()
                 continue
 
             # The final check: an answer counts only if the independent check recomputes it from history.
@@ -903,8 +909,10 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             parallel = all(registry[item["name"]].parallel_safe for item in batch)
             record = {"round": turn, "calls": batch, "observations": []}
             history.append(record)
+            journal.save()  # admitted: a crash from here on counts every call of the batch as started
             record["observations"] = await _run_batch(batch, parallel, observe)
             await emit({"event": "observations", "round": turn, "ids": _ids(record), "parallel": parallel, **used})
+            journal.save()
 
             # Continue or stop: recoverable errors stay as observations for the next decision.
             time_left()
@@ -947,28 +955,25 @@ def _read(decision, used_ids, attempts, registry, limits):
 
 
 async def _run_batch(batch, parallel, observe):
-    """Observations of the batch in request order, matched by call id, not by completion order."""
-    by_id = {}
+    """The observations of the batch, one per call in request order, whatever order the calls finish in."""
     if parallel and len(batch) > 1:
-        async def run_one(item):
-            by_id[item["call_id"]] = await observe(item)
-
         async with asyncio.TaskGroup() as group:
-            for item in batch:
-                group.create_task(run_one(item))
-    else:
-        failed = False
-        for item in batch:  # after a failure the model cannot retry, the rest of a serial batch never starts
-            obs = by_id[item["call_id"]] = _failure(item, "batch_aborted", False) if failed else await observe(item)
-            failed = failed or not obs["ok"] and not obs["retryable"]
-    return [by_id[item["call_id"]] for item in batch]
+            running = [group.create_task(observe(item)) for item in batch]
+        return [task.result() for task in running]  # each task is its call's, whichever finished first
+    done = []
+    for item in batch:  # after a failure the model cannot retry, the rest of a serial batch never starts
+        fatal = done and not done[-1]["ok"] and not done[-1]["retryable"]
+        done.append(_failure(item, "batch_aborted", False) if fatal else await observe(item))
+    return done
 
 
 # PART 4, hard cases: what run_agent is given, checked before the model is asked; what a tool or a watcher raised
 
-def _checked_run(loop, model, limits, fixtures, cancel, registry, accept, on_refused, on_event):
-    """The run's limits, cancel event, registry and tools; ValueError, with a short message, for a mistake in what
-    run_agent was given, before the model is asked."""
+def _checked_run(loop, model, limits, fixtures, cancel, registry, accept, on_refused, on_event, store, run_id):
+    """The run's limits, cancel event, registry, tools and journal; ValueError, with a short message, for a mistake
+    in what run_agent was given, before the model is asked. The seams: on_event, a plain or async function, watches
+    each event (a copy, as it is traced); on_refused names a policy of REFUSAL_POLICIES (PART 7 adds "observe");
+    store and run_id name a run saved as it goes, to resume after a crash (PART 13)."""
     limits = Limits() if limits is None else limits
     if type(limits) is not Limits:
         raise ValueError("limits must be a Limits")
@@ -995,7 +1000,12 @@ def _checked_run(loop, model, limits, fixtures, cancel, registry, accept, on_ref
         raise ValueError(f"on_refused must be {' or '.join(map(repr, REFUSAL_POLICIES))}")
     if on_event is not None and not _a_function(on_event):
         raise ValueError("on_event must be a function or None")
-    return limits, cancel, registry, tools
+    if store is None and run_id is not None:
+        raise ValueError("run_id names a run in a store: give the store too")
+    if store is not None and not _callable_object(store, "journal"):
+        raise ValueError("store must be a store, such as a SqliteStore")
+    # Last, once all else holds: a store checks what it holds against this run's registry and limits, then claims it.
+    return limits, cancel, registry, tools, _UNSAVED if store is None else store.journal(run_id, registry, limits)
 
 
 def _checked_registry(registry):
@@ -1146,8 +1156,27 @@ def _checked_tools(fixtures, registry, accept):
 
 async def _watch(on_event, event, seconds, cancel, cancel_wait):
     """Hand the event to the watcher: a plain one is called; an async one is awaited at most `seconds`, and not past
-    a cancel. With no time left (the stop of a cancelled run, say), it still runs up to its first real wait."""
-    await _bounded(lambda: _called(on_event, event), max(seconds, 1e-9), cancel, cancel_wait)
+    a cancel. With no time left (the stop of a cancelled run, say), it still runs up to its first real wait. What it
+    raises, and running out of time, is its loss, not the run's."""
+    if on_event is not None:
+        with contextlib.suppress(Exception):
+            event = _copy(event)  # its own copy: what it does to it changes neither the trace nor the run
+            await _bounded(lambda: _called(on_event, event), max(seconds, 1e-9), cancel, cancel_wait)
+
+
+class _Unsaved:
+    """The journal of a run without a store: nothing to resume, nothing to save (PART 13 has the other kind)."""
+
+    elapsed, named = 0.0, {}
+
+    async def resume(self, *run):
+        return None
+
+    def save(self, result=None):
+        return result
+
+
+_UNSAVED = _Unsaved()
 
 
 def _success(item, data):
@@ -1458,6 +1487,8 @@ class _CancelAfter(Fixtures):
 async def run_scenario(name, on_event=None, timeline=None):
     """Run one scenario of the atlas, drawn by timeline if one is given; return (result, fixtures)."""
     how = next(how for title, _, how in ATLAS if title == name)
+    if "run" in how:  # a scenario of a later part, that runs itself
+        return await how["run"](on_event, timeline)
     cancel = asyncio.Event()
     fixtures = _CancelAfter(failures=copy.deepcopy(how.get("failures", {})), inject=how.get("inject", False),
                             cancel=cancel, after=how.get("cancel_after", 0))
@@ -1655,6 +1686,8 @@ async def bench(quick=False, as_json=False):
         "limit_overshoot": await _limit_overshoot(5 if quick else 20),
         "growth": await _growth((10, 100) if quick else (10, 100, 1000)),
     }
+    for name, measure, _ in BENCH_PARTS:
+        figures[name] = await measure(quick)
     if as_json:
         _show(figures)
         return
@@ -1677,6 +1710,11 @@ async def bench(quick=False, as_json=False):
         ratio = row["round_ms"]["median"] / row["deepcopy_ms"]["median"]
         print(f"   n={n:<5} per round {cell(**row['round_ms'])}   deepcopy {cell(**row['deepcopy_ms'])}"
               f"   ratio {ratio:.2f}")
+    for number, (name, _, show) in enumerate(BENCH_PARTS, 5):
+        show(number, figures[name], cell)
+
+
+BENCH_PARTS = []  # (name, async measure(quick) -> figures, show(number, figures, cell)): what later parts measure
 
 
 def _bench_options(parser):
@@ -2393,7 +2431,10 @@ async def _drawn_scenario(args, parser):
     with _svg_file(args.svg, parser) as svg:
         timeline = Timeline()
         result = await _atlas_command(args, parser, timeline)
-        _draw([(args.name, timeline, result)], args.timeline, svg)
+        try:
+            _draw([(args.name, timeline, result)], args.timeline, svg)
+        except ValueError as error:  # a run this process did not see whole, such as one resumed from a store
+            parser.error(f"cannot draw {args.name}: {error}")
 
 
 for _name, _run in (("demo", _drawn_demo), ("scenarios", _drawn_scenario)):
@@ -2474,6 +2515,382 @@ def _svg_document(runs):
     return (f'<?xml version="1.0" encoding="UTF-8"?>\n<svg xmlns="http://www.w3.org/2000/svg" width="{width}" '
             f'height="{height}" viewBox="0 0 {width} {height}">\n<style>{style}</style>\n'
             + "\n".join(body) + "\n</svg>\n")
+
+
+# PART 13: a named run, saved in SQLite as it goes, that resumes after a crash where it stopped, nothing refunded
+
+# Another process claimed the run, or the store could not save it: either way this process starts nothing more.
+STOP_STATUSES += ("superseded", "store_failed")
+OBSERVATION_ERRORS += ("interrupted",)  # a call of a batch that a crash cut: it may have started, or not
+STORE_VERSION = 1  # the layout of what a store holds: a store of another version is refused
+
+
+class Superseded(Exception):
+    """What a store's save raises when another process has claimed the run since this one did."""
+
+
+class Store:
+    """Named runs, saved as they go, for run_agent(..., store=store, run_id=...): SqliteStore, or your own database.
+
+    Per run id a store holds plain JSON data: the run's config (its registry and limits, as canonical JSON), when it
+    first started (time.time()), its generation (which claim holds it), what was used, its history records (one per
+    round), its trace events and, once it has ended, its status and answer. Your own store implements four methods:
+      load(run_id): that run as {"config", "started", "generation", "used", "history", "trace", "status", "answer"}
+        (status None while it has not ended), or None;
+      claim(run_id, config, started): in one transaction, make the run (generation 1) if it is not there, else raise
+        its generation by one, which fences whoever held it; return the generation;
+      save(run_id, generation, used, records, events, end=None): in one transaction, only while the run's generation
+        is still `generation` (else raise Superseded): store used, the records (each replacing any of its round), the
+        events (after those stored) and, with end = (status, answer), the run's end;
+      unfinished(): the ids of the runs that have not ended, oldest first.
+    Everything else (what a crash leaves, resuming, fencing) is the runtime's, in journal()."""
+
+    def journal(self, run_id, registry, limits):
+        """One run's journal in this store; ValueError, before the model is asked, for a run it cannot resume."""
+        return _Journal(self, run_id, registry, limits)
+
+
+class _Journal:
+    """A run's thread to its store: checked and claimed when the run starts, then saved at each step that spends.
+
+    A crash keeps what was saved. A decision paid stays paid: the resumed run asks for a new one. A batch admitted but
+    not observed counts as started, call by call, since any of them may have been: each is charged and observed as
+    interrupted, retryable, its id kept in the ledger. A "resumed" event marks the join, and the deadline counts from
+    the run's first start, the time between a crash and its resume included."""
+
+    def __init__(self, store, run_id, registry, limits):
+        if type(run_id) is not str or not 1 <= len(run_id) <= 80 or not run_id.isprintable():
+            raise ValueError("run_id must be a string of 1 to 80 printable characters")
+        self.store, self.run_id, self.registry, self.named = store, run_id, registry, {"run_id": run_id}
+        self.config = canonical({"limits": [getattr(limits, field.name) for field in dataclasses.fields(Limits)],
+                                 "registry": {name: [spec.cost, spec.read_only, spec.parallel_safe, spec.parameters]
+                                              for name, spec in registry.items()}})
+        saved = self._load()
+        if saved is None or saved["status"] is None:  # claimed, then read again: what others saved before is ours
+            self.generation = store.claim(run_id, self.config, time.time())
+            saved = self._load()
+        self.saved, self.lost, self.records, self.events = saved, None, 0, 0
+        self.elapsed = max(0.0, time.time() - saved["started"]) if saved else 0.0
+
+    def _load(self):
+        """The run as saved, checked: ValueError for one of another version or config, or that is not such data."""
+        saved = self.store.load(self.run_id)
+        if saved is not None and not _a_saved_run(saved, self.registry):
+            raise ValueError(f"{self.run_id}: what the store holds for it is not a run this version saved")
+        if saved is not None and saved["config"] != self.config:
+            raise ValueError(f"{self.run_id}: saved with another registry or other limits")
+        return saved
+
+    async def resume(self, used, history, trace, used_ids, attempts, emit):
+        """Put the saved run back into run_agent's state, and say so; return the stored result if it has ended."""
+        saved, self.state = self.saved, (used, history, trace)
+        if saved is None or not saved["trace"] and saved["used"] == _NOTHING_USED:  # new, or claimed and no more
+            return None
+        if saved["status"] is not None:  # ended: its result as stored, and nothing is asked of the model or the tools
+            return _copy({key: saved[key] for key in ("status", "answer", "used", "history", "trace")} | self.named)
+        used.update(saved["used"])
+        history.extend(saved["history"])
+        trace.extend(saved["trace"])
+        refused = {event["round"] for event in trace if event["event"] == "refused"}
+        for record in history:  # the ledger and the repeat counts, as they were: nothing is forgotten
+            used_ids.update(item["call_id"] for item in record["calls"])
+            if record["round"] not in refused:
+                attempts.update(canonical([item["name"], item["arguments"]]) for item in record["calls"])
+        self.records, self.events = len(history), len(trace)
+        await emit({"event": "resumed", "round": used["rounds"], **used})
+        if history and not history[-1]["observations"]:  # admitted, then the crash: any call may have started
+            batch = history[-1]["calls"]
+            used["calls"] += len(batch)
+            used["credits"] += sum(self.registry[item["name"]].cost for item in batch)
+            history[-1]["observations"] = [_failure(item, "interrupted", True) for item in batch]
+            parallel = all(self.registry[item["name"]].parallel_safe for item in batch)
+            await emit({"event": "observations", "round": history[-1]["round"], "ids": _ids(history[-1]),
+                        "parallel": parallel, **used})
+        self.save()
+        return None
+
+    def save(self, result=None):
+        """Save what changed since the last save (the run's end too, given its result), in one transaction; else
+        Stop("superseded") if another process has claimed the run since, Stop("store_failed") if the store failed.
+        Return the result; at the end, a run that could not save it has that status, its answer dropped."""
+        if self.lost is not None:
+            return result and _unsaved_end(result, self.lost)
+        used, history, trace = self.state
+        end = None if result is None else (result["status"], result["answer"])
+        try:  # the last record saved may have gained its observations since; the events saved are never changed
+            self.store.save(self.run_id, self.generation, used, history[max(self.records - 1, 0):],
+                            trace[self.events:], end)
+        except Exception as error:  # Superseded, or the database's own error (a full disk, a lock held too long)
+            self.lost = Stop("superseded", reason="another process claimed the run") if type(error) is Superseded \
+                else Stop("store_failed", error_type=_error_type(error))
+            if result is not None:
+                return _unsaved_end(result, self.lost)
+            raise self.lost from None
+        self.records, self.events = len(history), len(trace)
+        return result
+
+
+def _unsaved_end(result, lost):
+    """The result of a run whose end could not be saved: the status of why (superseded, store_failed), no answer."""
+    stop = {key: value for key, value in result["trace"][-1].items() if key not in WHY_FIELDS and key != "rejected"}
+    stop = {**stop, "status": str(lost), **lost.why}
+    return {**result, "status": str(lost), "answer": None, "trace": [*result["trace"][:-1], stop]}
+
+
+def _a_saved_run(saved, registry):
+    """True if saved has the shape of a run as a store holds it, each piece plain JSON data."""
+    if not _has_keys(saved, _SAVED_KEYS) or type(saved["history"]) is not list or type(saved["trace"]) is not list:
+        return False
+    used, history, trace = saved["used"], saved["history"], saved["trace"]
+    records = all(_has_keys(record, {"round", "calls", "observations"}) and type(record["round"]) is int
+                  and type(record["calls"]) is list and type(record["observations"]) is list
+                  and all(_has_keys(item, CALL_KEYS) for item in record["calls"]) for record in history)
+    open_batch = records and history and not history[-1]["observations"]  # its calls passed preflight: tools we know
+    return (records and all(map(_is_data, (used, saved["answer"], *history, *trace)))
+            and type(saved["config"]) is str and type(saved["started"]) in (int, float)
+            and type(saved["generation"]) is int and (saved["status"] is None or type(saved["status"]) is str)
+            and _has_keys(used, set(_NOTHING_USED))
+            and all(type(value) is int and value >= 0 for value in used.values())
+            and all(type(event) is dict and type(event.get("event")) is str for event in trace)
+            and not (open_batch and any(item["name"] not in registry for item in history[-1]["calls"])))
+
+
+_SAVED_KEYS = {"config", "started", "generation", "used", "history", "trace", "status", "answer"}
+
+
+class SqliteStore(Store):
+    """Runs saved in an SQLite file (or ":memory:", for tests), on the standard library's sqlite3.
+
+    Durability: the write-ahead log with synchronous=FULL, so a save has reached the disk when it returns, and survives
+    a killed process and a power cut alike. A save is one transaction (BEGIN IMMEDIATE) that writes what changed: the
+    run's row, the records of at most two rounds and the new events, whatever the run's length. Close it when done, or
+    use it in a with block."""
+
+    def __init__(self, path):
+        self.path = path
+        try:
+            self.db = sqlite3.connect(path, isolation_level=None, timeout=5)  # autocommit: transactions are ours
+        except sqlite3.Error:
+            raise ValueError(f"{path}: cannot open it as a store") from None
+        try:
+            self._made()
+        except (sqlite3.DatabaseError, ValueError) as error:
+            self.db.close()
+            raise ValueError(str(error) if type(error) is ValueError else f"{path}: not a store") from None
+
+    def _made(self):
+        """The store's tables, made in a new file; ValueError for a database that is another's, or another version's."""
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        tables = {row[0] for row in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not tables or tables == {"agent_loop_meta"}:  # new (or being made by another process at this instant)
+            self.db.executescript(f"BEGIN IMMEDIATE; {_STORE_TABLES} INSERT OR IGNORE INTO agent_loop_meta "
+                                  f"VALUES ('version', '{STORE_VERSION}'); COMMIT;")
+        elif "agent_loop_meta" not in tables:
+            raise ValueError(f"{self.path}: not a store (its tables are another program's)")
+        version = self.db.execute("SELECT value FROM agent_loop_meta WHERE key = 'version'").fetchone()
+        if version != (str(STORE_VERSION),):
+            raise ValueError(f"{self.path}: a store of another version")
+
+    @contextlib.contextmanager
+    def _transaction(self):
+        self.db.execute("BEGIN IMMEDIATE")  # the write lock now, not at the first write: claims never interleave
+        try:
+            yield
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def load(self, run_id):
+        """The run as saved, or None."""
+        row = self.db.execute("SELECT config, started, generation, used, status, answer FROM agent_loop_runs "
+                              "WHERE run_id = ?", (run_id,)).fetchone()
+        if row is None:
+            return None
+        config, started, generation, used, status, answer = row
+        records = self.db.execute("SELECT body FROM agent_loop_records WHERE run_id = ? ORDER BY round", (run_id,))
+        events = self.db.execute("SELECT body FROM agent_loop_events WHERE run_id = ? ORDER BY seq", (run_id,))
+        try:
+            return {"config": config, "started": started, "generation": generation, "used": json.loads(used),
+                    "history": [json.loads(body) for body, in records], "trace": [json.loads(body) for body, in events],
+                    "status": status, "answer": None if answer is None else json.loads(answer)}
+        except (TypeError, ValueError):  # not JSON text: not what a store writes
+            return {}
+
+    def claim(self, run_id, config, started):
+        """This process's claim on the run: made new, or its generation raised, fencing whoever held it."""
+        with self._transaction():
+            row = self.db.execute("SELECT generation FROM agent_loop_runs WHERE run_id = ?", (run_id,)).fetchone()
+            if row is None:
+                self.db.execute("INSERT INTO agent_loop_runs (run_id, generation, config, started, used) "
+                                "VALUES (?, 1, ?, ?, ?)", (run_id, config, started, json.dumps(_NOTHING_USED)))
+                return 1
+            self.db.execute("UPDATE agent_loop_runs SET generation = ? WHERE run_id = ?", (row[0] + 1, run_id))
+            return row[0] + 1
+
+    def save(self, run_id, generation, used, records, events, end=None):
+        """What changed, in one transaction, if the claim still holds; else Superseded."""
+        with self._transaction():
+            status, answer = end if end is not None else (None, None)
+            answer = None if end is None else json.dumps(answer, ensure_ascii=False)
+            changed = self.db.execute("UPDATE agent_loop_runs SET used = ?, status = ?, answer = ? "
+                                      "WHERE run_id = ? AND generation = ?",
+                                      (json.dumps(used), status, answer, run_id, generation)).rowcount
+            if changed != 1:
+                raise Superseded(run_id)
+            self.db.executemany("INSERT INTO agent_loop_records VALUES (?, ?, ?) ON CONFLICT (run_id, round) "
+                                "DO UPDATE SET body = excluded.body",
+                                [(run_id, record["round"], json.dumps(record, ensure_ascii=False))
+                                 for record in records])
+            (last,) = self.db.execute("SELECT MAX(seq) FROM agent_loop_events WHERE run_id = ?", (run_id,)).fetchone()
+            first = 0 if last is None else last + 1
+            self.db.executemany("INSERT INTO agent_loop_events VALUES (?, ?, ?)",
+                                [(run_id, first + n, json.dumps(event, ensure_ascii=False))
+                                 for n, event in enumerate(events)])
+
+    def unfinished(self):
+        """The ids of the runs that have not ended, oldest first."""
+        return [run_id for run_id, in self.db.execute("SELECT run_id FROM agent_loop_runs WHERE status IS NULL "
+                                                      "ORDER BY started, run_id")]
+
+    def close(self):
+        """Close the database."""
+        self.db.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exception):
+        self.close()
+
+
+_NOTHING_USED = {"rounds": 0, "calls": 0, "credits": 0}
+_STORE_TABLES = """
+CREATE TABLE IF NOT EXISTS agent_loop_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS agent_loop_runs (run_id TEXT PRIMARY KEY, generation INTEGER NOT NULL,
+    config TEXT NOT NULL, started REAL NOT NULL, used TEXT NOT NULL, status TEXT, answer TEXT);
+CREATE TABLE IF NOT EXISTS agent_loop_records (run_id TEXT NOT NULL, round INTEGER NOT NULL, body TEXT NOT NULL,
+    PRIMARY KEY (run_id, round));
+CREATE TABLE IF NOT EXISTS agent_loop_events (run_id TEXT NOT NULL, seq INTEGER NOT NULL, body TEXT NOT NULL,
+    PRIMARY KEY (run_id, seq));
+"""
+
+
+class _Held(Fixtures):
+    """Fixtures whose calls wait until `release` is set: a process that a crash or a takeover meets mid-batch."""
+
+    def __init__(self):
+        super().__init__(delays={})
+        self.release, self.waiting = asyncio.Event(), []
+
+    async def invoke(self, call):
+        self.waiting.append(call["call_id"])
+        await self.release.wait()
+        return await super().invoke(call)
+
+
+async def _batch_started(fixtures, calls=2):
+    while len(fixtures.waiting) < calls:
+        await asyncio.sleep(0.001)
+
+
+def _recorded(timeline, model, tools, on_event):
+    """The model, tools and watcher of a run, wrapped by timeline if one is given."""
+    if timeline is None:
+        return model, tools, on_event
+    return timeline.model(model), timeline.tools(tools), timeline.watching(on_event)
+
+
+async def _taken_over(on_event=None, timeline=None):
+    """A second process resumes the run while the first one's reads run: the first is fenced at its next save."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "runs.db")
+        with SqliteStore(path) as first, SqliteStore(path) as second:
+            fixtures = _Held()
+            model, tools, watcher = _recorded(timeline, fake_model, fixtures, on_event)
+            running = asyncio.create_task(run_agent(model, store=first, run_id="job", fixtures=tools, on_event=watcher))
+            await _batch_started(fixtures)
+            await run_agent(store=second, run_id="job")  # the other process: it takes the run over, and ends it
+            fixtures.release.set()
+            return await running, fixtures
+
+
+async def _crashed_and_resumed(on_event=None, timeline=None):
+    """A process dies while both reads run; a new one resumes the run and completes it."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "runs.db")
+        with SqliteStore(path) as store:
+            held = _Held()
+            running = asyncio.create_task(run_agent(store=store, run_id="job", fixtures=held))
+            await _batch_started(held)
+            running.cancel()  # the crash: whatever came after the batch was admitted is not saved
+            await asyncio.gather(running, return_exceptions=True)
+        with SqliteStore(path) as store:
+            fixtures = _CancelAfter()
+            model, tools, watcher = _recorded(timeline, fake_model, fixtures, on_event)
+            return await run_agent(model, store=store, run_id="job", fixtures=tools, on_event=watcher), fixtures
+
+
+class _FullDisk(SqliteStore):
+    """A store whose disk fills up as the first batch is admitted."""
+
+    def save(self, run_id, generation, used, records, events, end=None):
+        if records:
+            raise sqlite3.OperationalError("database or disk is full")
+        return super().save(run_id, generation, used, records, events, end)
+
+
+async def _disk_full(on_event=None, timeline=None):
+    """The store cannot save the admitted batch: the run stops before any tool starts."""
+    with _FullDisk(":memory:") as store:
+        fixtures = _CancelAfter()
+        model, tools, watcher = _recorded(timeline, fake_model, fixtures, on_event)
+        return await run_agent(model, store=store, run_id="job", fixtures=tools, on_event=watcher), fixtures
+
+
+ATLAS += (
+    ("superseded", "another process resumed the run while its reads ran: its next save was refused, nothing more "
+                   "started", {"run": _taken_over}),
+    ("store_failed", "the store's disk was full as the first batch was admitted: no tool started",
+     {"run": _disk_full}),
+    ("resumed", "the process died while both reads ran; a new one resumed: both interrupted, read again, completed",
+     {"run": _crashed_and_resumed}),
+)
+
+
+async def _store_cost(quick):
+    """Milliseconds the store's saves take per round once history holds n rounds (the journal's own time)."""
+    figures, samples = {}, 5 if quick else 20
+    for n in (10, 100) if quick else (10, 100, 1000):
+        spent = []
+
+        class Timed(SqliteStore):
+            def save(self, *args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return super().save(*args, **kwargs)
+                finally:
+                    spent.append(time.perf_counter() - start)
+
+        with tempfile.TemporaryDirectory() as folder, Timed(os.path.join(folder, "runs.db")) as store:
+            rounds = n + samples
+            tools = FunctionTools(_BENCH_FUNCTIONS)
+            await run_agent(_batches("tick", 1), store=store, run_id="bench", fixtures=tools,
+                            registry=_bench_registry(), accept=_accepts_nothing, limits=_roomy(rounds, rounds))
+        per_round = [sum(spent[3 * r:3 * r + 3]) for r in range(n, rounds)]  # a round saves 3 times
+        figures[str(n)] = _spread(per_round, 1e3)
+    return figures
+
+
+def _show_store_cost(number, figures, cell):
+    print(f"\n{number}. The store (SQLite, synchronous=FULL): milliseconds of saving per round once history holds "
+          "n rounds")
+    for n, spread in figures.items():
+        print(f"   n={n:<5} per round {cell(**spread)}")
+
+
+BENCH_PARTS.append(("store_ms", _store_cost, _show_store_cost))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import random
 import re
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -3324,9 +3325,10 @@ WHY = {  # each atlas scenario's stop event, beyond event, status and used: why,
 class AtlasTests(RuntimeTestCase):
     """PART 8: the scenario atlas: one run per stop status, its stop event, its table, its JSON and its command line."""
 
-    def test_every_stop_status_of_the_contract_has_a_scenario_of_that_name(self):
-        self.assertEqual(list(STOP_STATUSES), STATUSES)
-        self.assertEqual([name for name, _, _ in agent_loop.ATLAS], STATUSES)
+    def test_every_stop_status_has_a_scenario_of_that_name_the_contracts_first(self):
+        self.assertEqual(list(STOP_STATUSES[:len(STATUSES)]), STATUSES)  # later parts add theirs after
+        self.assertEqual([name for name, _, _ in agent_loop.ATLAS][:len(STATUSES)], STATUSES)
+        self.assertLessEqual(set(STOP_STATUSES), {name for name, _, _ in agent_loop.ATLAS})
 
     async def test_each_scenario_stops_with_its_status_budget_and_errors(self):
         for name, (rounds, calls_used, credits, errors_seen) in ATLAS_EXPECTED.items():
@@ -3346,7 +3348,9 @@ class AtlasTests(RuntimeTestCase):
     def test_the_table_is_the_one_written_out_here_and_in_the_readme(self):
         first, second = run_command("scenarios"), run_command("scenarios")
         self.assertEqual((first.returncode, first.stderr), (0, ""))
-        self.assertEqual((first.stdout, second.stdout), (ATLAS_TABLE, ATLAS_TABLE))
+        self.assertEqual(first.stdout, second.stdout)
+        self.assertEqual(first.stdout.splitlines()[:len(STATUSES) + 1], ATLAS_TABLE.splitlines())  # then later parts'
+
         shown = re.search(r"```\n(scenario .*?)```", readme_section("Every status, one command"), re.S)[1].splitlines()
         self.assertEqual(shown, [line for line in ATLAS_TABLE.splitlines() if line in shown])  # its lines, in order
         self.assertGreaterEqual(len(shown), 2)
@@ -3356,8 +3360,8 @@ class AtlasTests(RuntimeTestCase):
         self.assertEqual((done.returncode, done.stderr), (0, ""))
         rows = json.loads(done.stdout)
         whys = [line.split(maxsplit=5)[5] for line in ATLAS_TABLE.splitlines()[1:]]
-        self.assertEqual([(row["name"], row["why"]) for row in rows], list(zip(STATUSES, whys)))
-        for row in rows:
+        self.assertEqual([(row["name"], row["why"]) for row in rows[:len(STATUSES)]], list(zip(STATUSES, whys)))
+        for row in rows[:len(STATUSES)]:
             used = row["used"]
             self.assertEqual((row["status"], used["rounds"], used["calls"], used["credits"], row["errors"]),
                              (row["name"], *ATLAS_EXPECTED[row["name"]]))
@@ -3411,8 +3415,9 @@ class BenchTests(unittest.TestCase):
         done = run_command("bench", "--quick", "--json")
         self.assertEqual((done.returncode, done.stderr), (0, ""))
         figures = json.loads(done.stdout)
-        self.assertEqual(list(figures), ["python", "cores", "repeats", "parallel_efficiency", "overhead",
-                                         "limit_overshoot", "growth"])
+        self.assertEqual(list(figures)[:7], ["python", "cores", "repeats", "parallel_efficiency", "overhead",
+                                             "limit_overshoot", "growth"])  # then what later parts measure
+        self.assertEqual(list(figures)[7:], [name for name, _, _ in agent_loop.BENCH_PARTS])
         self.assertEqual(figures["python"], platform.python_version())
         self.assertEqual(sorted(figures["parallel_efficiency"]), ["1", "2", "4"])
         self.assertEqual(sorted(figures["overhead"]), ["call_us", "round_us"])
@@ -5455,6 +5460,368 @@ class TimelineRecorderTests(RuntimeTestCase):
                 self.assertEqual(len(seen), len(result["trace"]))  # the watcher saw every event
                 self.assertEqual([event for _, event in timeline.events], result["trace"])
                 self.assertTrue(timeline.text(result).splitlines()[-1].startswith("completed: "))
+# PART 13: a named run saved in SQLite, resumed after a crash with nothing refunded. A crash is a real one: a child
+# process killed with SIGKILL while a tool runs, or while the model decides; a new process resumes the run.
+
+CRASHING_RUN = """
+import asyncio, json, os, sys, time
+sys.path.insert(0, {here!r})
+import agent_loop
+
+path, run_id, crash, log = sys.argv[1:5]
+
+
+class Logged(agent_loop.Fixtures):
+    async def invoke(self, call):
+        with open(log, "a") as file:  # every start, in every process: what ran, and how often
+            file.write(call["call_id"] + "\\n")
+        if crash == "tool" and call["call_id"] == "r1-north":
+            open(log + ".ready", "w").close()
+            await asyncio.sleep(600)  # the parent kills us here, while south may have finished
+        return await super().invoke(call)
+
+
+async def model(history):
+    if crash == "model" and len(history) == 1:
+        open(log + ".ready", "w").close()
+        await asyncio.sleep(600)  # the parent kills us while the second decision is being made
+    return await agent_loop.fake_model(history)
+
+
+async def main():
+    with agent_loop.SqliteStore(path) as store:
+        result = await agent_loop.run_agent(model, store=store, run_id=run_id, fixtures=Logged(delays={{}}),
+                                            limits=agent_loop.Limits(tool_seconds=600, model_seconds=600,
+                                                                     total_seconds=600, calls=8, credits=40))
+    print(json.dumps(result))
+
+
+asyncio.run(main())
+"""
+
+
+def run_in_a_process(script, *args, kill_when=None):
+    """Run script in a Python of its own: to its end (its printed JSON), or SIGKILLed once kill_when exists."""
+    flags = ["-O"] if sys.flags.optimize else []
+    process = subprocess.Popen([sys.executable, *flags, "-c", script, *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    if kill_when is None:
+        out, err = process.communicate(timeout=120)
+        if process.returncode != 0:
+            raise AssertionError(err)
+        return json.loads(out)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(kill_when) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.kill()  # SIGKILL: nothing of the runtime runs after this, not even a finally
+    process.communicate(timeout=60)
+    if not os.path.exists(kill_when):
+        raise AssertionError("the crash never came")
+    return None
+
+
+class SavedRunTests(RuntimeTestCase):
+    """PART 13: a named run, saved in SQLite at each step that spends, resumed where it stopped after a crash."""
+
+    def store(self, path=":memory:"):
+        store = agent_loop.SqliteStore(path)
+        self.addCleanup(store.close)
+        return store
+
+    def folder(self):
+        folder = tempfile.mkdtemp(prefix="agent_loop_store_")
+        self.addCleanup(shutil.rmtree, folder, True)
+        return folder
+
+    async def test_a_named_run_is_saved_and_once_ended_returns_its_stored_result_asking_nothing(self):
+        store = self.store()
+        first = await run_agent(store=store, run_id="job-42", limits=ROOMY)
+        self.assertEqual((first["status"], first["run_id"], first["trace"][-1]["run_id"]), ("completed", "job-42", "job-42"))
+        asked, fixtures = [], Fixtures()
+        again = await run_agent(scripted(asked.append), store=store, run_id="job-42", fixtures=fixtures, limits=ROOMY)
+        self.assertEqual((again, asked, fixtures.started, store.unfinished()), (first, [], [], []))
+        plain = await run_agent(limits=ROOMY)  # without a store nothing changes: the same run, no run_id
+        self.assertEqual(plain, {key: value for key, value in first.items() if key != "run_id"} | {
+            "trace": [{key: value for key, value in event.items() if key != "run_id"} for event in first["trace"]]})
+
+    async def test_a_store_needs_a_run_id_of_1_to_80_printable_characters_refused_before_the_model_is_asked(self):
+        store = self.store()
+        cases = [({"store": store}, "run_id must be a string of 1 to 80 printable characters"),
+                 ({"store": store, "run_id": ""}, "run_id must be a string of 1 to 80 printable characters"),
+                 ({"store": store, "run_id": "x" * 81}, "run_id must be a string of 1 to 80 printable characters"),
+                 ({"store": store, "run_id": "a\nb"}, "run_id must be a string of 1 to 80 printable characters"),
+                 ({"store": store, "run_id": 42}, "run_id must be a string of 1 to 80 printable characters"),
+                 ({"run_id": "job"}, "run_id names a run in a store: give the store too"),
+                 ({"store": object(), "run_id": "job"}, "store must be a store, such as a SqliteStore")]
+        for options, message in cases:
+            with self.subTest(options=options):
+                await self.assertRefusedBeforeTheModelIsAsked(message, **options)
+        self.assertEqual(store.unfinished(), [])
+
+    async def test_what_is_not_a_run_this_store_can_resume_is_refused_and_nothing_is_claimed(self):
+        folder = self.folder()
+        text = os.path.join(folder, "notes.txt")
+        with open(text, "w") as file:
+            file.write("not a database\n" * 100)
+        other = os.path.join(folder, "other.db")
+        with contextlib.closing(sqlite3.connect(other)) as db:
+            db.execute("CREATE TABLE orders (id INTEGER)")
+            db.commit()
+        for path, says in ((text, "not a store"), (other, "not a store")):
+            with self.subTest(path=os.path.basename(path)), self.assertRaises(ValueError) as raised:
+                agent_loop.SqliteStore(path)
+            self.assertIn(says, str(raised.exception))
+        path = os.path.join(folder, "runs.db")
+        store = self.store(path)
+        await run_agent(store=store, run_id="job", fixtures=Fixtures(failures={"north": ["timeout"]}),
+                        limits=Limits(tool_seconds=0.05, total_seconds=0.02))
+        generation = store.load("job")["generation"]
+        tampered = os.path.join(folder, "tampered.db")
+        with contextlib.closing(sqlite3.connect(tampered)) as db:
+            store.db.backup(db)
+        with contextlib.closing(sqlite3.connect(tampered)) as db:
+            db.execute("UPDATE agent_loop_records SET body = '{\"round\": 1}'")
+            db.execute("UPDATE agent_loop_meta SET value = '1'")
+            db.commit()
+        cases = [({"store": store, "limits": ROOMY}, "job: saved with another registry or other limits"),
+                 ({"store": store, "registry": {**TOOLS, "compute_plan": dataclasses.replace(TOOLS["compute_plan"], cost=5)}},
+                  "job: saved with another registry or other limits")]
+        for options, message in cases:
+            with self.subTest(message=message):
+                await self.assertRefusedBeforeTheModelIsAsked(message, run_id="job", **options)
+        with self.assertRaises(ValueError) as raised:
+            await run_agent(store=self.store(tampered), run_id="job", limits=Limits(tool_seconds=0.05, total_seconds=0.02))
+        self.assertEqual(str(raised.exception), "job: what the store holds for it is not a run this version saved")
+        with contextlib.closing(sqlite3.connect(tampered)) as db:
+            db.execute("UPDATE agent_loop_meta SET value = '2'")
+            db.commit()
+        with self.assertRaises(ValueError) as raised:
+            agent_loop.SqliteStore(tampered)
+        self.assertIn("another version", str(raised.exception))
+        self.assertEqual(store.load("job")["generation"], generation)  # no refusal claimed the run
+
+    async def test_each_step_that_spends_is_saved_before_it_starts(self):
+        store = self.store()
+        seen = []
+
+        async def model(history):  # what the store holds while the model decides: this round, paid
+            saved = store.load("job")
+            seen.append(("model", saved["used"]["rounds"], len(saved["history"])))
+            return await fake_model(history)
+
+        class Checking(Fixtures):
+            async def invoke(self, call):  # what the store holds as a tool starts: its batch, admitted, unobserved
+                saved = store.load("job")
+                seen.append((call["call_id"], saved["history"][-1]["observations"],
+                             call["call_id"] in [item["call_id"] for item in saved["history"][-1]["calls"]]))
+                return await super().invoke(call)
+
+        result = await run_agent(model, store=store, run_id="job", fixtures=Checking(delays={}), limits=ROOMY)
+        self.assertEqual(result["status"], "completed")
+        self.assertEqual(seen, [("model", 1, 0), ("r1-north", [], True), ("r1-south", [], True), ("model", 2, 1),
+                                ("r2-plan", [], True), ("model", 3, 2)])
+        saved = store.load("job")
+        self.assertEqual((saved["status"], saved["history"], saved["trace"]), ("completed", result["history"], result["trace"]))
+
+    async def test_a_save_writes_what_changed_and_not_the_whole_history(self):
+        written = []
+
+        class Counting(agent_loop.SqliteStore):
+            def save(self, run_id, generation, used, records, events, end=None):
+                written.append((len(records), len(events)))
+                return super().save(run_id, generation, used, records, events, end)
+
+        store = Counting(":memory:")
+        self.addCleanup(store.close)
+        model = agent_loop._batches("tick", 1)
+        registry = {"tick": ToolSpec(0, True, True, validate=lambda args: True)}
+        tools = agent_loop.FunctionTools({"tick": lambda n: {"n": n}})
+        result = await run_agent(model, store=store, run_id="long", fixtures=tools, registry=registry,
+                                 accept=never_accept, limits=Limits(rounds=60, calls=60, credits=180, attempts=1,
+                                                                   tool_seconds=5, model_seconds=5, total_seconds=60))
+        self.assertEqual((result["status"], len(result["history"])), ("round_limit", 60))
+        self.assertLessEqual(max(records for records, _ in written), 2)  # a round's record, and the one before it
+        self.assertLessEqual(max(events for _, events in written), 2)
+        self.assertEqual(len(store.load("long")["trace"]), len(result["trace"]))
+
+    async def test_a_resumed_run_past_its_deadline_ends_deadline_without_asking_the_model(self):
+        path = os.path.join(self.folder(), "runs.db")
+        store = self.store(path)
+        limits = Limits(tool_seconds=5, model_seconds=5, total_seconds=30)
+        task = asyncio.create_task(run_agent(store=store, run_id="late", limits=limits,
+                                             fixtures=Fixtures(failures={"north": ["timeout"]})))
+        await wait_until(lambda: store.load("late") and store.load("late")["history"])
+        task.cancel()  # a crash, as far as the store knows: nothing after the admitted batch is saved
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        with contextlib.closing(sqlite3.connect(path)) as db:  # the crash happened 31 s ago
+            db.execute("UPDATE agent_loop_runs SET started = started - 31")
+            db.commit()
+        asked = []
+        result = await run_agent(scripted(asked.append), store=store, run_id="late", limits=limits)
+        self.assertEqual((result["status"], asked), ("deadline", []))
+        self.assertEqual([event["event"] for event in result["trace"]], ["decision", "resumed", "observations", "stop"])
+        self.assertEqual(result["used"], {"rounds": 1, "calls": 2, "credits": 7})  # the interrupted batch is charged
+
+    async def test_two_processes_that_resume_one_run_only_one_goes_on(self):
+        path = os.path.join(self.folder(), "runs.db")
+        first, second = self.store(path), self.store(path)
+        taken, started = asyncio.Event(), []
+
+        class Waiting(Fixtures):  # the first process's tools wait until the second has taken the run over
+            async def invoke(self, call):
+                started.append(call["call_id"])
+                await taken.wait()
+                return await super().invoke(call)
+
+        limits = Limits(tool_seconds=5, model_seconds=5, total_seconds=30)
+        task = asyncio.create_task(run_agent(store=first, run_id="job", fixtures=Waiting(delays={}), limits=limits))
+        await wait_until(lambda: len(started) == 2)
+        later = Fixtures(delays={})
+        resumed = await run_agent(store=second, run_id="job", fixtures=later, limits=limits)
+        taken.set()
+        lost = await task
+        self.assertEqual((lost["status"], lost["answer"], lost["trace"][-1]["reason"]),
+                         ("superseded", None, "another process claimed the run"))
+        self.assertEqual(started, ["r1-north", "r1-south"])  # the first started nothing after it was fenced
+        self.assertEqual((resumed["status"], errors(resumed)[:2]), ("completed", ["interrupted", "interrupted"]))
+        self.assertEqual(store_result(second, "job"), resumed)
+
+    async def test_a_run_that_finds_itself_taken_over_at_its_last_save_ends_superseded_without_its_answer(self):
+        path = os.path.join(self.folder(), "runs.db")
+        first, second = self.store(path), self.store(path)
+
+        async def taken_over_while_answering(history):  # the other process claims the run during the last decision
+            if len(history) == 2:
+                saved = second.load("job")
+                second.claim("job", saved["config"], saved["started"])
+            return await fake_model(history)
+
+        watched = []
+        result = await run_agent(taken_over_while_answering, store=first, run_id="job", limits=ROOMY,
+                                 on_event=watched.append)
+        self.assertEqual((result["status"], result["answer"], result["trace"][-1]["status"]),
+                         ("superseded", None, "superseded"))
+        self.assertEqual(watched, result["trace"])  # the watcher heard only of the end that stands
+        self.assertEqual((second.load("job")["status"], second.unfinished()), (None, ["job"]))
+
+    async def test_a_store_that_cannot_save_stops_the_run_at_once_saying_why(self):
+        class Full(agent_loop.SqliteStore):
+            def save(self, *args, **kwargs):
+                if self.load("job")["used"]["rounds"] >= 1:
+                    raise sqlite3.OperationalError("database or disk is full")
+                return super().save(*args, **kwargs)
+
+        store = Full(":memory:")
+        self.addCleanup(store.close)
+        fixtures = Fixtures()
+        result = await run_agent(store=store, run_id="job", fixtures=fixtures, limits=ROOMY)
+        self.assertEqual((result["status"], result["trace"][-1]["error_type"], fixtures.started),
+                         ("store_failed", "OperationalError", []))
+        self.assertEqual(store.unfinished(), ["job"])  # what it saved stays: a later resume goes on from there
+
+    def test_a_run_killed_while_a_tool_runs_resumes_in_a_new_process_with_nothing_refunded(self):
+        folder = self.folder()
+        path, log = os.path.join(folder, "runs.db"), os.path.join(folder, "started.log")
+        script = CRASHING_RUN.format(here=HERE)
+        run_in_a_process(script, path, "job", "tool", log, kill_when=log + ".ready")
+        with agent_loop.SqliteStore(path) as store:
+            self.assertEqual(store.unfinished(), ["job"])
+        result = run_in_a_process(script, path, "job", "none", log)
+        self.assertEqual(result["status"], "completed")
+        self.assertEqual([event["event"] for event in result["trace"]][:4], ["decision", "resumed", "observations", "decision"])
+        self.assertEqual(result["trace"][1], {"event": "resumed", "round": 1, "rounds": 1, "calls": 0, "credits": 3})
+        self.assertEqual([(obs["call_id"], obs["error"], obs["retryable"]) for obs in result["history"][0]["observations"]],
+                         [("r1-north", "interrupted", True), ("r1-south", "interrupted", True)])
+        self.assertEqual(result["used"], {"rounds": 4, "calls": 5, "credits": 24})  # both interrupted reads were charged
+        with open(log) as file:
+            ran = file.read().split()
+        self.assertEqual(ran.count("r1-north") + ran.count("r1-south"), 2)  # no tool of the crashed round ran again
+        self.assertEqual(sorted(ran[2:]), ["r2-north", "r2-south", "r3-plan"])
+        (shown,) = code_blocks(readme_section("A named run, saved, that resumes after a crash"), "json")
+        self.assertEqual(json.loads(shown), result["trace"][:4])
+
+    def test_a_run_killed_while_the_model_decides_keeps_that_decision_paid(self):
+        folder = self.folder()
+        path, log = os.path.join(folder, "runs.db"), os.path.join(folder, "started.log")
+        script = CRASHING_RUN.format(here=HERE)
+        run_in_a_process(script, path, "job", "model", log, kill_when=log + ".ready")
+        result = run_in_a_process(script, path, "job", "none", log)
+        self.assertEqual((result["status"], result["used"]), ("completed", {"rounds": 4, "calls": 3, "credits": 20}))
+        self.assertEqual(result["trace"][2], {"event": "resumed", "round": 2, "rounds": 2, "calls": 2, "credits": 10})
+        self.assertEqual([record["round"] for record in result["history"]], [1, 3])  # round 2 was paid, never decided
+        with open(log) as file:
+            self.assertEqual(sorted(file.read().split()), ["r1-north", "r1-south", "r2-plan"])  # fake_model numbers by history
+
+    async def test_ids_and_repeats_used_before_a_crash_stay_used_after_it(self):
+        path = os.path.join(self.folder(), "runs.db")
+        store = self.store(path)
+        limits = Limits(tool_seconds=5, model_seconds=5, total_seconds=30)
+        read = call("a", partition="north")
+        task = asyncio.create_task(run_agent(scripted(calls(read), calls(call("b", partition="north")), calls(call("c", partition="north"))),
+                                             store=store, run_id="job", limits=limits,
+                                             fixtures=Fixtures(failures={"north": ["temporary", "timeout"]})))
+        await wait_until(lambda: len((store.load("job") or {"history": []})["history"]) == 2)  # a, b admitted; b hangs
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for model, status in ((scripted(calls(call("a", partition="south"))), "duplicate_call_id"),
+                              (scripted(calls(call("z", partition="north"))), "repeat_limit")):
+            with self.subTest(status=status):  # refused at the first decision after the resume: round 3
+                copy_path = os.path.join(os.path.dirname(path), f"{status}.db")
+                with contextlib.closing(sqlite3.connect(path)) as source, \
+                        contextlib.closing(sqlite3.connect(copy_path)) as target:
+                    source.backup(target)
+                result = await run_agent(model, store=self.store(copy_path), run_id="job", limits=limits)
+                self.assertEqual((result["status"], result["used"]), (status, {"rounds": 3, "calls": 2, "credits": 13}))
+
+    async def test_the_atlas_shows_a_takeover_a_full_disk_and_a_crash_resumed(self):
+        expected = {  # name: (status, used, observation errors)
+            "superseded": ("superseded", {"rounds": 1, "calls": 2, "credits": 7}, []),
+            "store_failed": ("store_failed", {"rounds": 1, "calls": 0, "credits": 3}, []),
+            "resumed": ("completed", {"rounds": 4, "calls": 5, "credits": 24}, ["interrupted", "interrupted"]),
+        }
+        for name, (status, used, errors_seen) in expected.items():
+            with self.subTest(name=name):
+                result, fixtures = await agent_loop.run_scenario(name)
+                self.assertEqual((result["status"], result["used"], errors(result)), (status, used, errors_seen))
+                self.assertEqual(fixtures.active, 0)
+        done = run_command("scenarios")
+        rows = [line.split()[:5] for line in done.stdout.splitlines()[len(STATUSES) + 1:]]
+        self.assertEqual(rows, [[name, status, *map(str, used.values())] for name, (status, used, _) in expected.items()])
+
+    async def test_the_bench_measures_the_stores_cost_per_round_at_each_length(self):
+        figures = await agent_loop._store_cost(quick=True)
+        self.assertEqual(list(figures), ["10", "100"])
+        for spread in figures.values():  # a time, not a speed: positive and finite, in order
+            self.assertTrue(0 < spread["min"] <= spread["median"] <= spread["max"] < math.inf, spread)
+
+    def test_a_store_leaves_no_database_open(self):
+        script = textwrap.dedent(f"""
+            import asyncio, sys
+            sys.path.insert(0, {HERE!r})
+            import agent_loop
+            with agent_loop.SqliteStore(":memory:") as store:
+                asyncio.run(agent_loop.run_agent(store=store, run_id="job"))
+            path = "{os.path.join(tempfile.gettempdir(), 'agent_loop_not_a_store.txt')}"
+            with open(path, "w") as file:
+                file.write("not a database" * 100)
+            try:
+                agent_loop.SqliteStore(path)
+            except ValueError:
+                pass
+        """)
+        done = subprocess.run([sys.executable, "-X", "dev", "-W", "error::ResourceWarning", "-c", script],
+                              capture_output=True, text=True, timeout=120, check=False)
+        self.assertEqual((done.returncode, done.stderr), (0, ""))
+
+
+def store_result(store, run_id):
+    """What the store holds for an ended run, as run_agent returns it."""
+    saved = store.load(run_id)
+    return {key: saved[key] for key in ("status", "answer", "used", "history", "trace")} | {"run_id": run_id}
+
+
 
 class ReadmeTests(RuntimeTestCase):
     """The README: its shapes of a run come from real runs, and its code blocks run as written."""
