@@ -194,33 +194,37 @@ def _copy(value):
     return marshal.loads(marshal.dumps(value))
 
 
-def _snapshot(value):
-    """Our own copy of a value from outside, taken before anything in it is checked, and running none of its code:
-    in C by marshal, in one step that no other thread can interleave with; for a value holding an object marshal
-    does not know, by a walk that puts _FOREIGN in place of each thing that is not plain data, for the checks to
-    refuse. (A copy, not yet data: a tuple or a NaN is copied as it is.)"""
-    try:
-        return marshal.loads(marshal.dumps(value))
-    except Exception:  # an object marshal does not know, or nesting deeper than it goes
-        return _marked(value, [MAX_VALUES])
-
-
 _FOREIGN = object()  # what stands in a snapshot for an object that is not plain data: every check refuses it
 
 
-def _marked(value, left, depth=0):
-    """value copied, with _FOREIGN for what is not plain data, past MAX_DEPTH, or past `left[0]` values in all."""
+def _snapshot(value, instead=None):
+    """Our own copy of a value from outside, taken before anything in it is checked, and running none of its code:
+    in C by marshal, in one step that no other thread can interleave with; for a value holding an object marshal
+    does not know, by a walk that puts `instead` in place of each thing that is not plain data, for the checks to
+    refuse, and takes each dict and list in one step. (A copy, not yet data: a tuple or a NaN is copied as it is.)"""
+    try:
+        return marshal.loads(marshal.dumps(value))
+    except Exception:  # an object marshal does not know, or nesting deeper than it goes
+        try:
+            return _marked(value, [MAX_VALUES], instead)
+        except Exception:  # it changed under the walk all the same (a dict's key set, in another thread)
+            return instead
+
+
+def _marked(value, left, instead, depth=0):
+    """value copied, with `instead` for what is not plain data, past MAX_DEPTH, or past `left[0]` values in all."""
     of = type(value)
     if of is str or of is int or of is float or of is bool or value is None:
         return value
     if (of is dict or of is list) and depth < MAX_DEPTH and left[0] >= len(value):
         left[0] -= len(value)
-        if of is list:
-            return [_marked(item, left, depth + 1) for item in value]
+        if of is list:  # list() and dict.items() copied into a list are each one step in C: no thread interleaves
+            return [_marked(item, left, instead, depth + 1) for item in list(value)]
         # A key that is not a string gets a marker of its own, so that no two of them collide.
-        return {key if type(key) is str else object(): _marked(item, left, depth + 1) for key, item in value.items()}
+        return {key if type(key) is str else object(): _marked(item, left, instead, depth + 1)
+                for key, item in list(value.items())}
     _discard(value)
-    return _FOREIGN
+    return instead
 
 
 def _discard(value):
@@ -406,8 +410,11 @@ def _prepare(schema):
     if schema is None:
         return None
     if type(schema) is not dict or not _is_data(schema) or schema.get("type") != "object":
-        raise ValueError("parameters must be a JSON Schema of type object, in plain JSON data")
-    return _compile(schema)
+        raise ValueError("parameters must be a JSON Schema of type object, in plain JSON data within the limits "
+                         "(numbers of 64 bits at most)")
+    check = _compile(schema)
+    check.schema = _copy(schema)  # what the bridges offer: the schema as it was read here
+    return check
 
 
 # JSON Schema's pattern is an ECMA-262 regular expression. _ecma reads it as new RegExp(pattern, "u") does, in the
@@ -674,6 +681,7 @@ async def _settle(*tasks):
 # PART 3: preflight of a whole batch, and the independent final check
 
 CALL_KEYS = {"call_id", "name", "arguments"}
+MODEL_COST = 3  # credits for one model decision, paid before the model is asked
 
 
 def preflight(batch, used_ids, attempts, registry, limits):
@@ -710,6 +718,14 @@ def _admit(item, ids, signatures, used_ids, attempts, registry, limits):
     if attempts.get(signature, 0) + signatures[signature] > limits.attempts:
         raise Stop("repeat_limit", **_about(cid, name),
                    reason=f"the same tool and arguments at most {limits.attempts} times")
+
+
+def _within_budget(used, limits, calls, credits, what):
+    """Raise Stop unless `calls` more calls and `credits` more credits fit in what the limits leave."""
+    if used["calls"] + calls > limits.calls:
+        raise Stop("call_limit", reason=f"{calls} calls asked, {limits.calls - used['calls']} left")
+    if used["credits"] + credits > limits.credits:
+        raise Stop("credit_limit", reason=f"{what} costs {credits} credits, {limits.credits - used['credits']} left")
 
 
 def accepted(answer, history):
@@ -784,7 +800,6 @@ def _passes(check, *args):
 
 # PART 4: run_agent: budgets, dispatch, observation history, stop states
 
-MODEL_COST = 3  # credits for one model decision, paid before the model is asked
 # Every way a run can end, and the errors that only ever appear on one call's observation.
 STOP_STATUSES = (
     "completed", "round_limit", "call_limit", "credit_limit", "deadline", "cancelled", "model_timeout",
@@ -792,22 +807,21 @@ STOP_STATUSES = (
     "duplicate_call_id", "unknown_tool", "permission_denied", "invalid_arguments", "repeat_limit", "tool_exception",
 )
 OBSERVATION_ERRORS = ("temporary", "tool_timeout", "batch_aborted", "tool_error")
-WHY_FIELDS = ("call_id", "name", "error_type", "reason")  # what a failed call's observation says of why
 REFUSAL_POLICIES = {"stop": lambda *refused: None}  # a refused batch -> the round it becomes, or None: the run stops
 
 
 async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None, registry=None, accept=accepted,
-                    on_refused="stop", on_event=None, store=None, run_id=None):
+                    on_refused="stop", on_event=None, store=None, run_id=None, approve=None, decisions=None):
     """Run decisions and tool batches until an answer passes the final check or a rule stops the run.
 
     Returns a copy of {"status": one of STOP_STATUSES, "answer": None unless completed, "used": {"rounds", "calls",
     "credits"}, "history": a {"round", "calls", "observations"} per round, "trace": its events}. Each event counts
     what was used so far: "decision" (its "kind"), "observations" (the "ids" in request order, "parallel"), "stop"
     (the "status"; a failed run's says why: "call_id", "name", "reason", "error_type", or the "rejected" answer).
-    on_event, on_refused, store and run_id are seams for a watcher and later parts: see _checked_run."""
+    The other arguments are seams for a watcher and later parts: see _checked_run."""
     loop = asyncio.get_running_loop()
     limits, cancel, registry, tools, journal = _checked_run(loop, model, limits, fixtures, cancel, registry, accept,
-                                                            on_refused, on_event, store, run_id)
+                                                            on_refused, on_event, store, run_id, approve, decisions)
     deadline = loop.time() + limits.total_seconds - journal.elapsed  # a resumed run's time counts from its start
     used = {"rounds": 0, "calls": 0, "credits": 0}
     history, trace = [], []
@@ -824,33 +838,45 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
     async def watch(event):  # hand a copy to the watcher, if any, bounded like every wait of the run
         await _watch(on_event, event, min(limits.tool_seconds, deadline - loop.time()), cancel, cancel_wait)
 
-    async def emit(event):  # trace the event, and let the watcher see it
+    async def emit(event):  # trace the event, save it if it ends a step, then let the watcher see it
         trace.append(event)
+        journal.saw(event)
         await watch(event)
+
+    async def wait(factory):  # a wait of the run's for a later part: tool_seconds at most, cut to the time left
+        return await _bounded(factory, min(limits.tool_seconds, time_left()), cancel, cancel_wait)
 
     async def observe(item):  # run one admitted call and return its observation; nothing it raises escapes
         try:
             seconds = min(limits.tool_seconds, time_left())
+            journal.started(item)  # a write is saved as started before it is handed over (PART 14)
         except Stop as stop:  # overtaken by a stop: neither started nor counted
             return _failure(item, str(stop), False)
         used["calls"] += 1
         used["credits"] += registry[item["name"]].cost
         try:  # the tool gets a copy of its call: one that edits it cannot edit history
-            data = await _bounded(lambda: tools.invoke(_copy(item)), seconds, cancel, cancel_wait)
+            data = await _bounded(lambda: tools.invoke(journal.handed(item)), seconds, cancel, cancel_wait)
         except Exception as error:
             return _tool_failure(item, error)
         return _success(item, data)
 
+    async def act(record, parallel):  # run an admitted batch, then continue or stop
+        record["observations"] = await journal.run_batch(record["calls"], parallel, observe, wait)
+        await emit({"event": "observations", "round": record["round"], "ids": _ids(record), "parallel": parallel,
+                    **used})
+        time_left()  # continue or stop: recoverable errors stay as observations for the next decision
+        _stop_if_fatal(record)
+
     async def finish(status, answer=None, **why):  # the stop event and the result, saved before the watcher sees them
         trace.append({"event": "stop", "status": status, **used, **why, **journal.named})
-        result = journal.save(_copy({"status": status, "answer": answer, "used": used, "history": history,
-                                     "trace": trace, **journal.named}))  # superseded if another process took the run
+        result = journal.save(_snapshot({"status": status, "answer": answer, "used": used, "history": history,
+                                         "trace": trace, **journal.named}))  # superseded if another process took it
         await watch(result["trace"][-1])
         return result
 
     cancel_wait = asyncio.create_task(asyncio.Event.wait(cancel))  # one wait on the cancel event, for the whole run
     try:
-        ended = await journal.resume(used, history, trace, used_ids, attempts, emit)  # a saved run: where it stopped
+        ended = await journal.resume(used, history, trace, used_ids, attempts, emit, act, wait)  # a saved run's end
         if ended is not None:
             return ended
         for turn in range(used["rounds"] + 1, limits.rounds + 1):  # a resumed run goes on from the rounds it paid
@@ -860,21 +886,13 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             used["rounds"] += 1
             used["credits"] += MODEL_COST
             journal.save()  # paid: a crash from here on keeps this round and its credits spent
-            view = _copy(history)  # the model's own copy, made fresh every round: it cannot edit our history
+            view = _snapshot(history)  # the model's own copy, made fresh every round: it cannot edit our history
             seconds = min(limits.model_seconds, time_left())  # read after the copy, which takes time too
-            try:
-                decision = await _bounded(lambda: model(view), seconds, cancel, cancel_wait)
-            except TimeoutError:
-                time_left()  # a cancel or the deadline explains the timeout better
-                raise Stop("model_timeout") from None
-            except Stop:
-                raise
-            except Exception as error:
-                raise Stop("model_exception", error_type=_error_type(error)) from None  # never its message
+            decision = await _asked(lambda: model(view), seconds, cancel, cancel_wait, time_left)
             time_left()
 
             # Read the decision: a final answer, or a batch of calls that preflight admits whole.
-            decision = _snapshot(decision)  # our own copy, taken at once: what the model changes later is not read
+            decision = _snapshot(decision, _FOREIGN)  # our own copy, at once: what the model changes later is not read
             if type(decision) is not dict:
                 raise Stop("invalid_decision", reason="a decision is a dict")
             await emit({"event": "decision", "round": turn, "kind": _kind(decision), **used})
@@ -887,13 +905,12 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
                 history.append(record)  # nothing ran; the model decides again, and sees why
                 await emit({"event": "refused", "round": turn, "status": str(stop), "ids": _ids(record), **stop.why,
                             **used})
-                journal.save()
                 continue
 
             # The final check: an answer counts only if the independent check recomputes it from history.
             if batch is None:
                 # The check gets copies: what it does to them changes neither the answer nor history.
-                if not _passes(accept, _copy(answer), _copy(history)):
+                if not _passes(accept, _copy(answer), _snapshot(history)):
                     raise Stop("invalid_final", rejected=answer, reason="the final check did not accept it")
                 await asyncio.sleep(0)  # one turn of the loop: the cancel wait sees a cancel set and cleared in accept
                 time_left()  # an answer accepted only after the deadline came too late
@@ -905,20 +922,10 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             used_ids |= ids
             attempts.update(signatures)
 
-            # Act: in parallel only if every tool in the batch allows it.
-            parallel = all(registry[item["name"]].parallel_safe for item in batch)
-            record = {"round": turn, "calls": batch, "observations": []}
-            history.append(record)
+            # Act: in parallel only if every tool in the batch allows it; then continue, or stop.
+            history.append({"round": turn, "calls": batch, "observations": []})
             journal.save()  # admitted: a crash from here on counts every call of the batch as started
-            record["observations"] = await _run_batch(batch, parallel, observe)
-            await emit({"event": "observations", "round": turn, "ids": _ids(record), "parallel": parallel, **used})
-            journal.save()
-
-            # Continue or stop: recoverable errors stay as observations for the next decision.
-            time_left()
-            for obs in record["observations"]:
-                if not obs["ok"] and not obs["retryable"]:
-                    raise Stop(obs["error"], **{key: obs[key] for key in WHY_FIELDS if key in obs})
+            await act(history[-1], all(registry[item["name"]].parallel_safe for item in batch))
         raise Stop("round_limit", reason=f"all {limits.rounds} rounds were used")
     except Stop as stop:
         stop = _came_first(stop, time_left)  # a cancel or the deadline that came before a late check's stop wins
@@ -927,17 +934,8 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
         await _settle(cancel_wait)
 
 
-def _within_budget(used, limits, calls, credits, what):
-    """Raise Stop unless `calls` more calls and `credits` more credits fit in what the limits leave."""
-    if used["calls"] + calls > limits.calls:
-        raise Stop("call_limit", reason=f"{calls} calls asked, {limits.calls - used['calls']} left")
-    if used["credits"] + credits > limits.credits:
-        raise Stop("credit_limit", reason=f"{what} costs {credits} credits, {limits.credits - used['credits']} left")
-
-
 def _read(decision, used_ids, attempts, registry, limits):
-    """(answer, None, None, None) for a final decision, (None, calls, ids, signatures) for a batch of calls that
-    preflight admits whole; else raise Stop."""
+    """(answer, None, None, None) for a final decision, (None, calls, ids, signatures) for a batch preflight admits."""
     kind = _kind(decision)
     if kind == "final":
         if decision.keys() != {"kind", "answer"}:
@@ -954,12 +952,22 @@ def _read(decision, used_ids, attempts, registry, limits):
     return None, decision["calls"], ids, signatures
 
 
-async def _run_batch(batch, parallel, observe):
+WHY_FIELDS = ("call_id", "name", "error_type", "reason")  # what a failed call's observation says of why
+
+
+def _stop_if_fatal(record):
+    """Raise Stop for the first observation of the round, in request order, that the model cannot retry."""
+    for obs in record["observations"]:
+        if not obs["ok"] and not obs["retryable"]:
+            raise Stop(obs["error"], **{key: obs[key] for key in WHY_FIELDS if key in obs})
+
+
+async def _run_batch(batch, parallel, observe, wait=None):
     """The observations of the batch, one per call in request order, whatever order the calls finish in."""
     if parallel and len(batch) > 1:
         async with asyncio.TaskGroup() as group:
             running = [group.create_task(observe(item)) for item in batch]
-        return [task.result() for task in running]  # each task is its call's, whichever finished first
+        return _results(batch, running)  # each task is its call's, whichever finished first
     done = []
     for item in batch:  # after a failure the model cannot retry, the rest of a serial batch never starts
         fatal = done and not done[-1]["ok"] and not done[-1]["retryable"]
@@ -969,7 +977,8 @@ async def _run_batch(batch, parallel, observe):
 
 # PART 4, hard cases: what run_agent is given, checked before the model is asked; what a tool or a watcher raised
 
-def _checked_run(loop, model, limits, fixtures, cancel, registry, accept, on_refused, on_event, store, run_id):
+def _checked_run(loop, model, limits, fixtures, cancel, registry, accept, on_refused, on_event, store, run_id, approve,
+                 decisions):
     """The run's limits, cancel event, registry, tools and journal; ValueError, with a short message, for a mistake
     in what run_agent was given, before the model is asked. The seams: on_event, a plain or async function, watches
     each event (a copy, as it is traced); on_refused names a policy of REFUSAL_POLICIES (PART 7 adds "observe");
@@ -1000,12 +1009,17 @@ def _checked_run(loop, model, limits, fixtures, cancel, registry, accept, on_ref
         raise ValueError(f"on_refused must be {' or '.join(map(repr, REFUSAL_POLICIES))}")
     if on_event is not None and not _a_function(on_event):
         raise ValueError("on_event must be a function or None")
-    if store is None and run_id is not None:
-        raise ValueError("run_id names a run in a store: give the store too")
-    if store is not None and not _callable_object(store, "journal"):
+    for given, what in ((run_id, "run_id names a run in a store"), (decisions, "decisions are for a run in a store"),
+                        (approve, "approve needs a store, so that a write's fate survives a crash")):
+        if store is None and given is not None:
+            raise ValueError(f"{what}: give the store too")
+    if store is None:
+        return limits, cancel, registry, tools, _UNSAVED
+    if not _callable_object(store, "journal"):
         raise ValueError("store must be a store, such as a SqliteStore")
+    writes = {} if approve is None and decisions is None else dict(approve=approve, decisions=decisions, tools=tools)
     # Last, once all else holds: a store checks what it holds against this run's registry and limits, then claims it.
-    return limits, cancel, registry, tools, _UNSAVED if store is None else store.journal(run_id, registry, limits)
+    return limits, cancel, registry, tools, store.journal(run_id, registry, limits, **writes)
 
 
 def _checked_registry(registry):
@@ -1175,6 +1189,17 @@ class _Unsaved:
     def save(self, result=None):
         return result
 
+    def saw(self, event):
+        pass
+
+    def started(self, item):
+        pass
+
+    def handed(self, item):  # the call as its tool gets it: a copy, so that a tool that edits it cannot edit history
+        return _copy(item)
+
+    run_batch = staticmethod(_run_batch)
+
 
 _UNSAVED = _Unsaved()
 
@@ -1190,6 +1215,25 @@ def _success(item, data):
 
 def _ids(record):
     return [obs["call_id"] for obs in record["observations"]]
+
+
+async def _asked(factory, seconds, cancel, cancel_wait, time_left):
+    """The model's decision; else Stop: model_timeout past its time, model_exception (not its message) if it raised."""
+    try:
+        return await _bounded(factory, seconds, cancel, cancel_wait)
+    except TimeoutError:
+        time_left()  # a cancel or the deadline explains the timeout better
+        raise Stop("model_timeout") from None
+    except Stop:
+        raise
+    except Exception as error:
+        raise Stop("model_exception", error_type=_error_type(error)) from None
+
+
+def _results(batch, tasks):
+    """The observation each task made of its call, in request order; a task that another one cancelled made none."""
+    return [_failure(item, "tool_exception", False, error_type="CancelledError") if task.cancelled() else task.result()
+            for item, task in zip(batch, tasks)]
 
 
 def _came_first(stop, time_left):
@@ -1785,7 +1829,8 @@ def _declarations(registry):
         if not REPLAYABLE_NAME.fullmatch(name):
             raise ValueError(f"{name}: a tool name must be 1 to 64 letters, digits, _ or -")
         # Strict only where OpenAI's strict mode takes the schema; the Messages bridge never sends strict.
-        declared.append((name, spec.description, _copy(spec.parameters), _strict(spec.parameters)))
+        schema = spec._schema_check.schema  # the schema as preflight reads it, once per ToolSpec
+        declared.append((name, spec.description, _copy(schema), _strict(schema)))
     return declared
 
 
@@ -2064,8 +2109,12 @@ def messages_model(create, task, registry=TOOLS, **options):
 # spells the same fields in snake_case (input_schema, is_error).
 
 def _dumped(value):
-    """A reply as plain dicts: the SDK's pydantic object through model_dump(), a protocol dict as it is."""
-    return value.model_dump() if hasattr(value, "model_dump") else value
+    """A reply as plain dicts: the SDK's pydantic object through model_dump(), a protocol dict as it is; None for
+    one whose model_dump() raised."""
+    try:
+        return value.model_dump() if hasattr(value, "model_dump") else value
+    except Exception:
+        return None
 
 
 def _either(value, camel, snake):
@@ -2219,6 +2268,10 @@ class Timeline:
                              "timeline.model(model)")
         if result["used"]["calls"] and not self.calls:
             raise ValueError("calls ran that were not recorded: give run_agent fixtures=timeline.tools(...)")
+        ids = {item["call_id"] for record in result["history"] for item in record["calls"]}
+        first = self.decisions[0][0] if self.decisions else self.events[0][0]
+        if not set(self.calls) <= ids or any(started < first for started, _ in self.calls.values()):
+            raise ValueError("this Timeline recorded calls of another run: use one Timeline per run")
         kinds = {event["round"]: event["kind"] for _, event in self.events if event["event"] == "decision"}
         rounds = {}
         for number, (asked, answered) in enumerate(self.decisions, 1):
@@ -2532,63 +2585,94 @@ class Superseded(Exception):
 class Store:
     """Named runs, saved as they go, for run_agent(..., store=store, run_id=...): SqliteStore, or your own database.
 
-    Per run id a store holds plain JSON data: the run's config (its registry and limits, as canonical JSON), when it
-    first started (time.time()), its generation (which claim holds it), what was used, its history records (one per
-    round), its trace events and, once it has ended, its status and answer. Your own store implements four methods:
-      load(run_id): that run as {"config", "started", "generation", "used", "history", "trace", "status", "answer"}
+    Per run id a store holds plain JSON data: the run's config (its registry's names, costs, permissions and schemas,
+    and its limits, as canonical JSON), when it first started (time.time()), its generation (which claim holds it),
+    its state ({"used", "paused": seconds spent paused, "paused_at": when a pause began, or None}), its history
+    records (one per round), its trace events and, once it has ended, its status and answer. Your own store
+    implements five methods:
+      load(run_id): the run as {"config", "started", "generation", "state", "history", "trace", "status", "answer"}
         (status None while it has not ended), or None;
       claim(run_id, config, started): in one transaction, make the run (generation 1) if it is not there, else raise
         its generation by one, which fences whoever held it; return the generation;
-      save(run_id, generation, used, records, events, end=None): in one transaction, only while the run's generation
-        is still `generation` (else raise Superseded): store used, the records (each replacing any of its round), the
-        events (after those stored) and, with end = (status, answer), the run's end;
+      claimed(run_id): the run's generation now, cheaply: a process checks it before it starts a call;
+      save(run_id, generation, state, records, events, end=None): in one transaction, only while the run's generation
+        is still `generation` (else raise Superseded): store state, the records (each replacing any of its round),
+        the events (after those stored) and, with end = (status, answer), the run's end;
       unfinished(): the ids of the runs that have not ended, oldest first.
-    Everything else (what a crash leaves, resuming, fencing) is the runtime's, in journal()."""
+    Everything else (what a crash leaves, resuming, fencing) is the runtime's: journal() makes it."""
 
-    def journal(self, run_id, registry, limits):
-        """One run's journal in this store; ValueError, before the model is asked, for a run it cannot resume."""
-        return _Journal(self, run_id, registry, limits)
+    def journal(self, run_id, registry, limits, **writes):
+        """One run's journal in this store; ValueError, before the model is asked, for a run it cannot resume. With
+        approve or decisions (PART 14), one that runs writes."""
+        kind = JOURNALS.get("writes" if writes else "reads")
+        if kind is None:
+            raise ValueError("approve and decisions need the writes of PART 14")
+        return kind(self, run_id, registry, limits, **writes)
 
 
-class _Journal:
+class _Journal(_Unsaved):
     """A run's thread to its store: checked and claimed when the run starts, then saved at each step that spends.
 
     A crash keeps what was saved. A decision paid stays paid: the resumed run asks for a new one. A batch admitted but
     not observed counts as started, call by call, since any of them may have been: each is charged and observed as
-    interrupted, retryable, its id kept in the ledger. A "resumed" event marks the join, and the deadline counts from
-    the run's first start, the time between a crash and its resume included."""
+    interrupted, retryable, its id kept in the ledger; a round whose observations say the run stopped stops it
+    again. A "resumed" event marks the join, and the deadline counts from the run's first start, the time between a
+    crash and its resume included. Before each call starts, the claim is checked: a fenced process starts nothing.
+    The config compared on resume holds the registry's names, costs, permissions and schemas, and the limits: a
+    tool's validate and description are not compared (a function cannot be)."""
 
     def __init__(self, store, run_id, registry, limits):
         if type(run_id) is not str or not 1 <= len(run_id) <= 80 or not run_id.isprintable():
             raise ValueError("run_id must be a string of 1 to 80 printable characters")
-        self.store, self.run_id, self.registry, self.named = store, run_id, registry, {"run_id": run_id}
-        self.config = canonical({"limits": [getattr(limits, field.name) for field in dataclasses.fields(Limits)],
-                                 "registry": {name: [spec.cost, spec.read_only, spec.parallel_safe, spec.parameters]
-                                              for name, spec in registry.items()}})
+        self.store, self.run_id, self.registry, self.limits = store, run_id, registry, limits
+        self.config = canonical(_integral({
+            "limits": [getattr(limits, field.name) for field in dataclasses.fields(Limits)],
+            "registry": {name: [spec.cost, spec.read_only, spec.parallel_safe, spec.parameters]
+                         for name, spec in registry.items()}}))
         saved = self._load()
-        if saved is None or saved["status"] is None:  # claimed, then read again: what others saved before is ours
-            self.generation = store.claim(run_id, self.config, time.time())
+        if saved is None or saved["status"] is None:
+            self._check(saved)  # all that can refuse the run does so here, before the claim fences anyone
+            # Claimed, then read again: what another process saved before the claim is this one's to go on from.
+            self.generation = self._asked(store.claim, run_id, self.config, time.time())
             saved = self._load()
-        self.saved, self.lost, self.records, self.events = saved, None, 0, 0
-        self.elapsed = max(0.0, time.time() - saved["started"]) if saved else 0.0
+        self.saved, self.lost, self.saved_records, self.events = saved, None, [], 0
+        self.paused, self.paused_at = (saved["state"]["paused"], saved["state"]["paused_at"]) if saved else (0.0, None)
+        self.elapsed = max(0.0, time.time() - saved["started"] - self.paused) if saved else 0.0
+
+    def _asked(self, method, *args):
+        """A store's answer; ValueError if the store failed before the run could start (a lock held, a broken file)."""
+        try:
+            return method(*args)
+        except ValueError:
+            raise
+        except Exception as error:
+            raise ValueError(f"{self.run_id}: the store failed: {_error_type(error)}") from None
 
     def _load(self):
         """The run as saved, checked: ValueError for one of another version or config, or that is not such data."""
-        saved = self.store.load(self.run_id)
-        if saved is not None and not _a_saved_run(saved, self.registry):
+        saved = self._asked(self.store.load, self.run_id)
+        if saved is not None and not _a_saved_run(saved, self.registry, self.limits):
             raise ValueError(f"{self.run_id}: what the store holds for it is not a run this version saved")
         if saved is not None and saved["config"] != self.config:
             raise ValueError(f"{self.run_id}: saved with another registry or other limits")
         return saved
 
-    async def resume(self, used, history, trace, used_ids, attempts, emit):
+    def _check(self, saved):
+        """Refuse, before the claim, what this journal cannot go on with (PART 14 has more to check)."""
+
+    @property
+    def named(self):
+        return {"run_id": self.run_id}
+
+    async def resume(self, used, history, trace, used_ids, attempts, emit, act, wait):
         """Put the saved run back into run_agent's state, and say so; return the stored result if it has ended."""
         saved, self.state = self.saved, (used, history, trace)
-        if saved is None or not saved["trace"] and saved["used"] == _NOTHING_USED:  # new, or claimed and no more
+        if saved is None or not saved["trace"] and saved["state"]["used"] == _NOTHING_USED:  # new, or only claimed
             return None
         if saved["status"] is not None:  # ended: its result as stored, and nothing is asked of the model or the tools
-            return _copy({key: saved[key] for key in ("status", "answer", "used", "history", "trace")} | self.named)
-        used.update(saved["used"])
+            return _copy({"status": saved["status"], "answer": saved["answer"], "used": saved["state"]["used"],
+                          "history": saved["history"], "trace": saved["trace"], **self.named})
+        used.update(saved["state"]["used"])
         history.extend(saved["history"])
         trace.extend(saved["trace"])
         refused = {event["round"] for event in trace if event["event"] == "refused"}
@@ -2596,18 +2680,42 @@ class _Journal:
             used_ids.update(item["call_id"] for item in record["calls"])
             if record["round"] not in refused:
                 attempts.update(canonical([item["name"], item["arguments"]]) for item in record["calls"])
-        self.records, self.events = len(history), len(trace)
+        self.saved_records, self.events = [_copy(record) for record in history[-1:]], len(trace)
         await emit({"event": "resumed", "round": used["rounds"], **used})
-        if history and not history[-1]["observations"]:  # admitted, then the crash: any call may have started
-            batch = history[-1]["calls"]
-            used["calls"] += len(batch)
-            used["credits"] += sum(self.registry[item["name"]].cost for item in batch)
-            history[-1]["observations"] = [_failure(item, "interrupted", True) for item in batch]
-            parallel = all(self.registry[item["name"]].parallel_safe for item in batch)
-            await emit({"event": "observations", "round": history[-1]["round"], "ids": _ids(history[-1]),
+        if history and self._cut(history[-1]):  # admitted, then the crash: any call of the rest may have started
+            record = history[-1]
+            cut = record["calls"][len(record["observations"]):]
+            used["calls"] += len(cut)
+            used["credits"] += sum(self.registry[item["name"]].cost for item in cut)
+            record["observations"] += [self._interrupted(item) for item in cut]
+            parallel = all(self.registry[item["name"]].parallel_safe for item in record["calls"])
+            await emit({"event": "observations", "round": record["round"], "ids": _ids(record),
                         "parallel": parallel, **used})
-        self.save()
+        if history:
+            _stop_if_fatal(history[-1])  # a round that stopped the run stops it again
         return None
+
+    def _cut(self, record):
+        """True if the crash cut this round's batch: some of its calls have no observation."""
+        return len(record["observations"]) < len(record["calls"])
+
+    def _interrupted(self, item):
+        """The observation of a call a crash cut, that may have started or not."""
+        return _failure(item, "interrupted", True)
+
+    def saw(self, event):
+        if event["event"] != "decision":  # a decision spends nothing: it is saved with what comes of it
+            self.save()
+
+    def started(self, item):
+        """Before a call is handed over: Stop("superseded") if another process has claimed the run since."""
+        try:
+            fenced = self.store.claimed(self.run_id) != self.generation
+        except Exception as error:
+            raise Stop("store_failed", error_type=_error_type(error)) from None
+        if fenced:
+            self.lost = Stop("superseded", reason="another process claimed the run")
+            raise self.lost
 
     def save(self, result=None):
         """Save what changed since the last save (the run's end too, given its result), in one transaction; else
@@ -2617,17 +2725,23 @@ class _Journal:
             return result and _unsaved_end(result, self.lost)
         used, history, trace = self.state
         end = None if result is None else (result["status"], result["answer"])
-        try:  # the last record saved may have gained its observations since; the events saved are never changed
-            self.store.save(self.run_id, self.generation, used, history[max(self.records - 1, 0):],
-                            trace[self.events:], end)
+        # The records that changed since the last save: the new ones, and the last one saved if it gained observations.
+        first = len(history) - len(self.saved_records[-1:]) if self.saved_records else 0
+        records = [record for record in history[max(first, 0):] if record not in self.saved_records]
+        state = {"used": used, "paused": self.paused, "paused_at": self.paused_at}
+        try:
+            self.store.save(self.run_id, self.generation, state, records, trace[self.events:], end)
         except Exception as error:  # Superseded, or the database's own error (a full disk, a lock held too long)
             self.lost = Stop("superseded", reason="another process claimed the run") if type(error) is Superseded \
                 else Stop("store_failed", error_type=_error_type(error))
             if result is not None:
                 return _unsaved_end(result, self.lost)
             raise self.lost from None
-        self.records, self.events = len(history), len(trace)
+        self.saved_records, self.events = [_copy(record) for record in history[-1:]], len(trace)
         return result
+
+
+JOURNALS = {"reads": _Journal}  # the journals a store makes: PART 14 adds the one that runs writes
 
 
 def _unsaved_end(result, lost):
@@ -2637,25 +2751,44 @@ def _unsaved_end(result, lost):
     return {**result, "status": str(lost), "answer": None, "trace": [*result["trace"][:-1], stop]}
 
 
-def _a_saved_run(saved, registry):
-    """True if saved has the shape of a run as a store holds it, each piece plain JSON data."""
-    if not _has_keys(saved, _SAVED_KEYS) or type(saved["history"]) is not list or type(saved["trace"]) is not list:
+def _a_saved_run(saved, registry, limits):
+    """True if saved is a run as a store holds it, plain data of the right shapes, within the limits, coherent."""
+    if not _has_keys(saved, _SAVED_KEYS) or not all(map(_is_data, saved.values())):
         return False
-    used, history, trace = saved["used"], saved["history"], saved["trace"]
-    records = all(_has_keys(record, {"round", "calls", "observations"}) and type(record["round"]) is int
-                  and type(record["calls"]) is list and type(record["observations"]) is list
-                  and all(_has_keys(item, CALL_KEYS) for item in record["calls"]) for record in history)
-    open_batch = records and history and not history[-1]["observations"]  # its calls passed preflight: tools we know
-    return (records and all(map(_is_data, (used, saved["answer"], *history, *trace)))
-            and type(saved["config"]) is str and type(saved["started"]) in (int, float)
-            and type(saved["generation"]) is int and (saved["status"] is None or type(saved["status"]) is str)
-            and _has_keys(used, set(_NOTHING_USED))
-            and all(type(value) is int and value >= 0 for value in used.values())
-            and all(type(event) is dict and type(event.get("event")) is str for event in trace)
-            and not (open_batch and any(item["name"] not in registry for item in history[-1]["calls"])))
+    state, history, trace = saved["state"], saved["history"], saved["trace"]
+    if not (_has_keys(state, {"used", "paused", "paused_at"}) and _has_keys(state["used"], set(_NOTHING_USED))
+            and type(history) is list and type(trace) is list and type(saved["config"]) is str
+            and type(saved["started"]) in (int, float) and type(saved["generation"]) is int
+            and (saved["status"] is None or saved["status"] in STOP_STATUSES)
+            and type(state["paused"]) in (int, float) and (state["paused_at"] is None or
+                                                           type(state["paused_at"]) in (int, float))):
+        return False
+    used = state["used"]
+    within = [(used["rounds"], limits.rounds), (used["calls"], limits.calls), (used["credits"], limits.credits)]
+    if not all(type(value) is int and 0 <= value <= most for value, most in within):
+        return False
+    rounds = [record.get("round") if type(record) is dict else None for record in history]
+    if not all(type(number) is int for number in rounds) or rounds != sorted(set(rounds)) or \
+            rounds and not 1 <= rounds[0] <= rounds[-1] <= used["rounds"]:
+        return False
+    for record in history:  # each call a call, each observation its call's, in order
+        if not (_has_keys(record, {"round", "calls", "observations"}) and type(record["calls"]) is list
+                and type(record["observations"]) is list and len(record["observations"]) <= len(record["calls"])
+                and all(_has_keys(item, CALL_KEYS) and type(item["call_id"]) is str and type(item["name"]) is str
+                        for item in record["calls"])
+                and all(type(obs) is dict and obs.get("call_id") == item["call_id"] and type(obs.get("ok")) is bool
+                        for obs, item in zip(record["observations"], record["calls"]))):
+            return False
+    if any(len(record["observations"]) < len(record["calls"]) for record in history[:-1]):
+        return False  # only the last round's batch can have been cut
+    cut = history[-1]["calls"][len(history[-1]["observations"]):] if history else []
+    if any(item["name"] not in registry for item in cut):
+        return False  # a cut batch's calls passed preflight: they are tools of this registry
+    return all(type(event) is dict and type(event.get("event")) is str
+               and (event["event"] != "refused" or type(event.get("round")) is int) for event in trace)
 
 
-_SAVED_KEYS = {"config", "started", "generation", "used", "history", "trace", "status", "answer"}
+_SAVED_KEYS = {"config", "started", "generation", "state", "history", "trace", "status", "answer"}
 
 
 class SqliteStore(Store):
@@ -2663,8 +2796,8 @@ class SqliteStore(Store):
 
     Durability: the write-ahead log with synchronous=FULL, so a save has reached the disk when it returns, and survives
     a killed process and a power cut alike. A save is one transaction (BEGIN IMMEDIATE) that writes what changed: the
-    run's row, the records of at most two rounds and the new events, whatever the run's length. Close it when done, or
-    use it in a with block."""
+    run's row, the records that changed (one or two) and the new events, whatever the run's length. Close it when
+    done, or use it in a with block."""
 
     def __init__(self, path):
         self.path = path
@@ -2691,6 +2824,8 @@ class SqliteStore(Store):
         version = self.db.execute("SELECT value FROM agent_loop_meta WHERE key = 'version'").fetchone()
         if version != (str(STORE_VERSION),):
             raise ValueError(f"{self.path}: a store of another version")
+        for columns in _STORE_COLUMNS:  # every table and column there (sqlite3.DatabaseError if not: not a store)
+            self.db.execute(f"SELECT {columns} LIMIT 0")
 
     @contextlib.contextmanager
     def _transaction(self):
@@ -2704,15 +2839,15 @@ class SqliteStore(Store):
 
     def load(self, run_id):
         """The run as saved, or None."""
-        row = self.db.execute("SELECT config, started, generation, used, status, answer FROM agent_loop_runs "
+        row = self.db.execute("SELECT config, started, generation, state, status, answer FROM agent_loop_runs "
                               "WHERE run_id = ?", (run_id,)).fetchone()
         if row is None:
             return None
-        config, started, generation, used, status, answer = row
+        config, started, generation, state, status, answer = row
         records = self.db.execute("SELECT body FROM agent_loop_records WHERE run_id = ? ORDER BY round", (run_id,))
         events = self.db.execute("SELECT body FROM agent_loop_events WHERE run_id = ? ORDER BY seq", (run_id,))
         try:
-            return {"config": config, "started": started, "generation": generation, "used": json.loads(used),
+            return {"config": config, "started": started, "generation": generation, "state": json.loads(state),
                     "history": [json.loads(body) for body, in records], "trace": [json.loads(body) for body, in events],
                     "status": status, "answer": None if answer is None else json.loads(answer)}
         except (TypeError, ValueError):  # not JSON text: not what a store writes
@@ -2723,20 +2858,25 @@ class SqliteStore(Store):
         with self._transaction():
             row = self.db.execute("SELECT generation FROM agent_loop_runs WHERE run_id = ?", (run_id,)).fetchone()
             if row is None:
-                self.db.execute("INSERT INTO agent_loop_runs (run_id, generation, config, started, used) "
-                                "VALUES (?, 1, ?, ?, ?)", (run_id, config, started, json.dumps(_NOTHING_USED)))
+                state = {"used": _NOTHING_USED, "paused": 0.0, "paused_at": None}
+                self.db.execute("INSERT INTO agent_loop_runs (run_id, generation, config, started, state) "
+                                "VALUES (?, 1, ?, ?, ?)", (run_id, config, started, json.dumps(state)))
                 return 1
             self.db.execute("UPDATE agent_loop_runs SET generation = ? WHERE run_id = ?", (row[0] + 1, run_id))
             return row[0] + 1
 
-    def save(self, run_id, generation, used, records, events, end=None):
+    def claimed(self, run_id):
+        """The generation that holds the run now."""
+        row = self.db.execute("SELECT generation FROM agent_loop_runs WHERE run_id = ?", (run_id,)).fetchone()
+        return None if row is None else row[0]
+
+    def save(self, run_id, generation, state, records, events, end=None):
         """What changed, in one transaction, if the claim still holds; else Superseded."""
         with self._transaction():
-            status, answer = end if end is not None else (None, None)
-            answer = None if end is None else json.dumps(answer, ensure_ascii=False)
-            changed = self.db.execute("UPDATE agent_loop_runs SET used = ?, status = ?, answer = ? "
+            status, answer = (None, None) if end is None else (end[0], json.dumps(end[1], ensure_ascii=False))
+            changed = self.db.execute("UPDATE agent_loop_runs SET state = ?, status = ?, answer = ? "
                                       "WHERE run_id = ? AND generation = ?",
-                                      (json.dumps(used), status, answer, run_id, generation)).rowcount
+                                      (json.dumps(state), status, answer, run_id, generation)).rowcount
             if changed != 1:
                 raise Superseded(run_id)
             self.db.executemany("INSERT INTO agent_loop_records VALUES (?, ?, ?) ON CONFLICT (run_id, round) "
@@ -2769,12 +2909,14 @@ _NOTHING_USED = {"rounds": 0, "calls": 0, "credits": 0}
 _STORE_TABLES = """
 CREATE TABLE IF NOT EXISTS agent_loop_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS agent_loop_runs (run_id TEXT PRIMARY KEY, generation INTEGER NOT NULL,
-    config TEXT NOT NULL, started REAL NOT NULL, used TEXT NOT NULL, status TEXT, answer TEXT);
+    config TEXT NOT NULL, started REAL NOT NULL, state TEXT NOT NULL, status TEXT, answer TEXT);
 CREATE TABLE IF NOT EXISTS agent_loop_records (run_id TEXT NOT NULL, round INTEGER NOT NULL, body TEXT NOT NULL,
     PRIMARY KEY (run_id, round));
 CREATE TABLE IF NOT EXISTS agent_loop_events (run_id TEXT NOT NULL, seq INTEGER NOT NULL, body TEXT NOT NULL,
     PRIMARY KEY (run_id, seq));
 """
+_STORE_COLUMNS = ("run_id, generation, config, started, state, status, answer FROM agent_loop_runs",
+                  "run_id, round, body FROM agent_loop_records", "run_id, seq, body FROM agent_loop_events")
 
 
 class _Held(Fixtures):
@@ -2790,8 +2932,9 @@ class _Held(Fixtures):
         return await super().invoke(call)
 
 
-async def _batch_started(fixtures, calls=2):
-    while len(fixtures.waiting) < calls:
+async def _batch_started(fixtures, calls=2, seconds=30):
+    end = asyncio.get_running_loop().time() + seconds
+    while len(fixtures.waiting) < calls and asyncio.get_running_loop().time() < end:
         await asyncio.sleep(0.001)
 
 
@@ -2835,10 +2978,10 @@ async def _crashed_and_resumed(on_event=None, timeline=None):
 class _FullDisk(SqliteStore):
     """A store whose disk fills up as the first batch is admitted."""
 
-    def save(self, run_id, generation, used, records, events, end=None):
+    def save(self, run_id, generation, state, records, events, end=None):
         if records:
             raise sqlite3.OperationalError("database or disk is full")
-        return super().save(run_id, generation, used, records, events, end)
+        return super().save(run_id, generation, state, records, events, end)
 
 
 async def _disk_full(on_event=None, timeline=None):

@@ -382,8 +382,8 @@ class SchemaTests(RuntimeTestCase):
             (schema(properties={"a": {"pattern": "("}}), "tool: parameters.properties.a.pattern: must be a regular expression"),
             (schema(required="a"), "tool: parameters.required: must be a list of names"),
             (schema(properties={"a": {"maximum": "9"}}), "tool: parameters.properties.a.maximum: must be a number"),
-            ({"type": "array"}, "tool: parameters must be a JSON Schema of type object, in plain JSON data"),
-            (schema(default=float("nan")), "tool: parameters must be a JSON Schema of type object, in plain JSON data"),
+            ({"type": "array"}, "tool: parameters must be a JSON Schema of type object, in plain JSON data within the limits (numbers of 64 bits at most)"),
+            (schema(default=float("nan")), "tool: parameters must be a JSON Schema of type object, in plain JSON data within the limits (numbers of 64 bits at most)"),
         ]
         for parameters, message in cases:
             with self.subTest(message=message):
@@ -1574,18 +1574,18 @@ class TimeLimitTests(RuntimeTestCase):
 
     async def test_the_time_left_is_read_after_the_copy_of_history(self):
         self.allowBlockingSteps()
-        asked, real_copy = [], agent_loop._copy
+        asked, real_copy = [], agent_loop._snapshot
 
-        def slow_copy(value):
+        def slow_copy(value, instead=None):
             if type(value) is list and value and "round" in value[0]:
                 time.sleep(0.4)  # a copy of history that takes longer than the time left
-            return real_copy(value)
+            return real_copy(value, instead)
 
         async def model(history):
             asked.append(len(history))
             return await fake_model(history)
 
-        with unittest.mock.patch.object(agent_loop, "_copy", slow_copy):
+        with unittest.mock.patch.object(agent_loop, "_snapshot", slow_copy):
             result = await run_agent(model, limits=Limits(tool_seconds=5, model_seconds=5, total_seconds=0.3))
         self.assertEqual((result["status"], asked), ("deadline", [0]))  # round 2's model never started
 
@@ -2110,6 +2110,60 @@ class CustomBase(BaseException):
 
 class HostileInputTests(RuntimeTestCase):
     """PART 4: hostile models, tools and exceptions: whatever they raise, return or change later, the run ends on a status."""
+
+    async def test_a_tool_that_changes_its_result_after_delivery_leaves_run_agent_returning(self):
+        class Meddler(Fixtures):
+            kept = []
+
+            async def invoke(self, call):
+                result = await super().invoke(call)
+                if call["name"] == "compute_plan":  # it spoils the reads it returned before: they are in history
+                    for read in self.kept:
+                        read.update({"rows": object(), "stock": math.nan})
+                self.kept.append(result)
+                return result  # its own object, stored as returned: what it does to it later is in history
+
+        result = await run_agent(fixtures=Meddler(delays={}), limits=ROOMY)
+        self.assertIn(result["status"], STOP_STATUSES)  # it returned: no copy of history raised
+        self.assertNotEqual(result["status"], "completed")  # the evidence it spoilt is no evidence
+
+    def test_a_decision_that_changes_in_another_thread_while_it_is_copied_is_refused_not_raised(self):
+        changing = {str(n): n for n in range(5000)}
+        stop = threading.Event()
+
+        def churn():
+            n = 0
+            while not stop.is_set():
+                changing[f"x{n % 7}"] = n
+                changing.pop(f"x{(n + 3) % 7}", None)
+                n += 1
+
+        thread = threading.Thread(target=churn)
+        thread.start()
+        try:
+            for _ in range(200):  # an object marshal cannot copy sends the copy down the walk, beside the churn
+                decision = {"kind": "calls", "calls": [changing, object()]}
+                copied = agent_loop._snapshot(decision, agent_loop._FOREIGN)
+                self.assertIn(type(copied), (dict, object))
+        finally:
+            stop.set()
+            thread.join()
+
+    async def test_a_tool_that_cancels_another_calls_wait_makes_that_call_a_fault(self):
+        class Rude(Fixtures):
+            async def invoke(self, call):
+                if call["arguments"].get("partition") == "south":
+                    for task in asyncio.all_tasks():  # the runtime's wait for north's call
+                        frame = task.get_coro().cr_frame
+                        if task.get_coro().cr_code.co_name == "observe" and frame.f_locals["item"]["call_id"] != \
+                                call["call_id"]:
+                            task.cancel()
+                return await super().invoke(call)
+
+        result = await run_agent(fixtures=Rude(), limits=ROOMY)
+        self.assertEqual((result["status"], result["trace"][-1]["call_id"], result["trace"][-1]["error_type"]),
+                         ("tool_exception", "r1-north", "CancelledError"))
+        self.assertNoTaskLeft()
 
     async def test_other_base_exceptions_from_a_model_or_a_tool_are_their_fault(self):
         faults = [GeneratorExit(), CustomBase(), BaseExceptionGroup("group", [GeneratorExit()])]
@@ -2863,6 +2917,17 @@ class StandaloneCoreTests(unittest.TestCase):
 class FunctionToolsTests(LookupTool, RuntimeTestCase):
     """PART 6: FunctionTools: your own plain and async functions as tools, each plain one in a thread of its own."""
 
+    async def test_a_tool_errors_message_that_is_not_plain_text_is_not_kept(self):
+        def says(partition):
+            raise agent_loop.ToolError("half a pair: \ud800")
+
+        registry = {"read_partition": TOOLS["read_partition"]}
+        result = await run_agent(scripted(calls(call("a", partition="north"))), fixtures=agent_loop.FunctionTools(
+            {"read_partition": says}), registry=registry, accept=never_accept, limits=dataclasses.replace(ROOMY, rounds=1))
+        obs = observations(result)[0]
+        self.assertEqual((obs["error"], "message" in obs), ("tool_error", False))
+        json.dumps(result, ensure_ascii=False).encode()  # all of it is Unicode text
+
     async def run_conversion(self, desk, model=conversion_model, **options):
         tools = agent_loop.FunctionTools(desk.functions())
         options.setdefault("limits", ROOMY)
@@ -3146,6 +3211,12 @@ async def never_learns(history):
 
 class ObservedRefusalTests(RuntimeTestCase):
     """PART 7: on_refused="observe": a refused batch becomes a round of failed observations; what still stops the run."""
+
+    async def test_a_refused_calls_id_is_used_and_cannot_run_later(self):
+        model = scripted(calls(call("a", partition="../north")), calls(call("a", partition="north")))
+        fixtures = Fixtures()
+        result = await run_agent(model, on_refused="observe", fixtures=fixtures, limits=ROOMY)
+        self.assertEqual((result["status"], fixtures.started), ("duplicate_call_id", []))
 
     async def test_a_model_that_corrects_a_refused_batch_completes_when_refusals_are_observed(self):
         fixtures = Fixtures()
@@ -4104,6 +4175,16 @@ class ProviderBridgeTests(RuntimeTestCase):
                 self.assertIs(agent_loop.chat_tools(registry)[0]["function"]["strict"], strict)
                 self.assertNotIn("strict", agent_loop.messages_tools(registry)[0])  # the Messages bridge never sends it
 
+    async def test_a_schema_edited_after_its_first_use_is_not_offered_either(self):
+        parameters = {"type": "object", "properties": {"code": {"type": "string", "enum": ["EUR"]}}, "required": ["code"],
+                      "additionalProperties": False}
+        registry = {"rate": ToolSpec(1, True, True, parameters=parameters)}
+        self.assertIsNone(registry["rate"]._schema_check({"code": "EUR"}))  # first read: preflight has it now
+        parameters["properties"]["code"]["enum"].append("USD")  # edited afterwards
+        offered = agent_loop.responses_tools(registry)[0]["parameters"]
+        self.assertEqual(offered["properties"]["code"]["enum"], ["EUR"])  # what preflight checks is what is offered
+        self.assertIsNotNone(registry["rate"]._schema_check({"code": "USD"}))
+
     def test_the_inventory_tools_stay_strict(self):
         self.assertEqual([tool["strict"] for tool in agent_loop.responses_tools()], [True, True])
         self.assertEqual([tool["function"]["strict"] for tool in agent_loop.chat_tools()], [True, True])
@@ -4885,6 +4966,26 @@ class McpTests(RuntimeTestCase):
                     with self.assertRaises(agent_loop.McpResultError):
                         await agent_loop.McpTools(ReturningSession(shape)).invoke(call("s", "read_stock", sku="CUP"))
 
+    async def test_a_result_whose_dump_fails_is_no_call_tool_result(self):
+        class Broken:
+            def __init__(self, raises):
+                self.raises = raises
+
+            def model_dump(self):
+                if self.raises:
+                    raise RuntimeError("private detail of a broken dump")
+                return None
+
+        registry = agent_loop.mcp_registry(LISTED, read_only=("read_stock",))
+        for raises in (True, False):
+            with self.subTest(raises=raises):
+                result = await run_agent(scripted(calls(call("s", "read_stock", sku="CUP"))), registry=registry,
+                                         fixtures=agent_loop.McpTools(ReturningSession(Broken(raises))),
+                                         accept=never_accept, limits=ROOMY)
+                self.assertEqual((result["status"], result["trace"][-1]["reason"]),
+                                 ("tool_exception", "the result is not an MCP CallToolResult: a content list of typed blocks"))
+                self.assertNoPrivateText(result)
+
     async def test_a_well_formed_result_still_delivers_its_data(self):
         cases = [  # (what call_tool returned, what the runtime gets)
             ({"content": [], "isError": None, "structuredContent": {"stock": 4}}, {"stock": 4}),
@@ -5158,6 +5259,8 @@ class TimelineTests(RuntimeTestCase):
                 self.assertEqual([line.strip() for line in shown.splitlines() if line.strip().startswith(("round", "^"))],
                                  [line.strip() for line in drawn.splitlines() if line.strip().startswith(("round", "^"))])
                 self.assertEqual(shown.splitlines()[-1].split(":")[0], drawn.splitlines()[-1].split(":")[0])
+                self.assertEqual([len(line) for line in shown.splitlines()[:2]],  # the scale, as wide as it is drawn
+                                 [len(line) for line in drawn.splitlines()[:2]])
 
     def test_the_demo_draws_only_when_asked_and_prints_the_same_bytes_besides(self):
         drawn = run_command("demo", "--timeline")
@@ -5232,6 +5335,22 @@ class TimelineTests(RuntimeTestCase):
 
 class TimelineRecorderTests(RuntimeTestCase):
     """PART 12: a Timeline records a run without changing it, draws only a run it saw whole, and marks only limits that cut."""
+
+    async def test_a_timeline_that_recorded_another_runs_calls_or_decisions_draws_neither(self):
+        for why in ("calls", "decisions"):
+            with self.subTest(why=why):
+                timeline = agent_loop.Timeline()
+                if why == "calls":  # an earlier run through its tools only
+                    await run_agent(fixtures=timeline.tools(Fixtures()), limits=ROOMY)
+                    result = await run_agent(timeline.model(fake_model), fixtures=Fixtures(), on_event=timeline.event,
+                                             limits=ROOMY)
+                else:  # an earlier run through its model only
+                    await run_agent(timeline.model(fake_model), limits=ROOMY)
+                    result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures()),
+                                             on_event=timeline.event, limits=ROOMY)
+                for draw in (timeline.text, timeline.svg):
+                    with self.assertRaises(ValueError):
+                        draw(result)
 
     async def drawn(self, timeline, fixtures, model=fake_model, **options):
         return await run_agent(timeline.model(model), fixtures=timeline.tools(fixtures), on_event=timeline.event,
@@ -5328,16 +5447,16 @@ class TimelineRecorderTests(RuntimeTestCase):
             self.assertIn(says, str(raised.exception))
 
     async def test_a_round_paid_but_stopped_before_its_model_was_asked_still_draws(self):
-        copy_of = agent_loop._copy
+        copy_of = agent_loop._snapshot
 
-        def slow_second_view(value):  # the deadline passes while round 2's history is copied
+        def slow_second_view(value, instead=None):  # the deadline passes while round 2's history is copied
             if type(value) is list and len(value) == 1:
                 time.sleep(1.5)
-            return copy_of(value)
+            return copy_of(value, instead)
 
         self.allowBlockingSteps()
         timeline = agent_loop.Timeline()
-        with unittest.mock.patch.object(agent_loop, "_copy", slow_second_view):
+        with unittest.mock.patch.object(agent_loop, "_snapshot", slow_second_view):
             result = await self.drawn(timeline, Fixtures(delays={}), limits=Limits(5, 5, 30, 2, 5, 5, 1.0))
         self.assertEqual((result["status"], result["used"]["rounds"], len(timeline.decisions)), ("deadline", 2, 1))
         self.assertIn("deadline", timeline.text(result))
@@ -5476,8 +5595,10 @@ class Logged(agent_loop.Fixtures):
         with open(log, "a") as file:  # every start, in every process: what ran, and how often
             file.write(call["call_id"] + "\\n")
         if crash == "tool" and call["call_id"] == "r1-north":
+            while "r1-south" not in open(log).read().split():  # both reads have started: south runs, north hangs
+                await asyncio.sleep(0.001)
             open(log + ".ready", "w").close()
-            await asyncio.sleep(600)  # the parent kills us here, while south may have finished
+            await asyncio.sleep(600)  # the parent kills us here
         return await super().invoke(call)
 
 
@@ -5606,7 +5727,7 @@ class SavedRunTests(RuntimeTestCase):
 
         async def model(history):  # what the store holds while the model decides: this round, paid
             saved = store.load("job")
-            seen.append(("model", saved["used"]["rounds"], len(saved["history"])))
+            seen.append(("model", saved["state"]["used"]["rounds"], len(saved["history"])))
             return await fake_model(history)
 
         class Checking(Fixtures):
@@ -5627,9 +5748,9 @@ class SavedRunTests(RuntimeTestCase):
         written = []
 
         class Counting(agent_loop.SqliteStore):
-            def save(self, run_id, generation, used, records, events, end=None):
+            def save(self, run_id, generation, state, records, events, end=None):
                 written.append((len(records), len(events)))
-                return super().save(run_id, generation, used, records, events, end)
+                return super().save(run_id, generation, state, records, events, end)
 
         store = Counting(":memory:")
         self.addCleanup(store.close)
@@ -5708,7 +5829,7 @@ class SavedRunTests(RuntimeTestCase):
     async def test_a_store_that_cannot_save_stops_the_run_at_once_saying_why(self):
         class Full(agent_loop.SqliteStore):
             def save(self, *args, **kwargs):
-                if self.load("job")["used"]["rounds"] >= 1:
+                if self.load("job")["state"]["used"]["rounds"] >= 1:
                     raise sqlite3.OperationalError("database or disk is full")
                 return super().save(*args, **kwargs)
 
@@ -5796,6 +5917,191 @@ class SavedRunTests(RuntimeTestCase):
         for spread in figures.values():  # a time, not a speed: positive and finite, in order
             self.assertTrue(0 < spread["min"] <= spread["median"] <= spread["max"] < math.inf, spread)
 
+    async def test_a_round_that_stopped_the_run_stops_it_again_when_its_end_was_not_saved(self):
+        path = os.path.join(self.folder(), "runs.db")
+
+        class EndLost(agent_loop.SqliteStore):  # the disk fills just as the end is saved
+            def save(self, run_id, generation, state, records, events, end=None):
+                if end is not None:
+                    raise sqlite3.OperationalError("disk I/O error")
+                return super().save(run_id, generation, state, records, events, end)
+
+        with EndLost(path) as store:
+            first = await run_agent(store=store, run_id="job", fixtures=Fixtures(failures={"north": ["permission"]}),
+                                    limits=ROOMY)
+        self.assertEqual(first["status"], "store_failed")
+        asked, fixtures = [], Fixtures()
+        again = await run_agent(scripted(asked.append), store=self.store(path), run_id="job", fixtures=fixtures,
+                                limits=ROOMY)
+        self.assertEqual((again["status"], again["used"], asked, fixtures.started),
+                         ("permission_denied", {"rounds": 1, "calls": 2, "credits": 7}, [], []))
+
+    async def test_a_fenced_process_starts_no_further_call_of_its_serial_batch(self):
+        path = os.path.join(self.folder(), "runs.db")
+        first, second = self.store(path), self.store(path)
+        serial = {**TOOLS, "read_partition": dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)}
+        taken, started = asyncio.Event(), []
+
+        class Waiting(Fixtures):
+            async def invoke(self, call):
+                started.append(call["call_id"])
+                await taken.wait()  # the other process takes the run over meanwhile
+                return await super().invoke(call)
+
+        task = asyncio.create_task(run_agent(store=first, run_id="job", fixtures=Waiting(delays={}), registry=serial,
+                                             limits=ROOMY))
+        await wait_until(lambda: started)
+        saved = second.load("job")
+        second.claim("job", saved["config"], saved["started"])
+        taken.set()
+        result = await task
+        self.assertEqual((result["status"], started), ("superseded", ["r1-north"]))  # south never started
+
+    async def test_what_a_run_saved_is_checked_before_any_claim(self):
+        path = os.path.join(self.folder(), "runs.db")
+        store = self.store(path)
+        limits = Limits(tool_seconds=5, model_seconds=5, total_seconds=30)
+        await run_agent(store=store, run_id="job", limits=limits, on_refused="observe",
+                        model=scripted(calls(call("bad", partition="east")), calls(call("x", partition="north"))),
+                        accept=never_accept)
+        tamperings = {  # what is changed: (table, column, a SQL expression)
+            "a refused event without its round": ("agent_loop_events", "body",
+                                                  "replace(body, '\"round\": 1, \"status\"', '\"status\"')"),
+            "a call id that is a list": ("agent_loop_records", "body", "replace(body, '\"bad\"', '[1]')"),
+            "more calls used than the limits allow": ("agent_loop_runs", "state",
+                                                      "replace(state, '\"calls\": 1', '\"calls\": 999')"),
+            "a status no run has": ("agent_loop_runs", "status", "'banana'"),
+            "a round after the rounds used": ("agent_loop_records", "body",
+                                              "replace(body, '\"round\": 2', '\"round\": 7')"),
+        }
+        for why, (table, column, expression) in tamperings.items():
+            with self.subTest(why=why):
+                copy_path = os.path.join(os.path.dirname(path), "tampered.db")
+                with contextlib.closing(sqlite3.connect(copy_path)) as target:
+                    store.db.backup(target)
+                    changed = target.execute(f"UPDATE {table} SET {column} = {expression}").rowcount
+                    target.commit()
+                self.assertGreater(changed, 0)
+                tampered = self.store(copy_path)
+                generation = tampered.claimed("job")
+                with self.assertRaises(ValueError) as raised:
+                    await run_agent(store=tampered, run_id="job", limits=limits, on_refused="observe")
+                self.assertEqual(str(raised.exception), "job: what the store holds for it is not a run this version saved")
+                self.assertEqual(tampered.claimed("job"), generation)
+                tampered.close()
+                os.remove(copy_path)
+
+    async def test_a_store_with_its_tables_broken_is_not_a_store(self):
+        folder = self.folder()
+        for sql in ("DROP TABLE agent_loop_runs", "ALTER TABLE agent_loop_records RENAME COLUMN body TO text"):
+            with self.subTest(sql=sql):
+                path = os.path.join(folder, f"{len(os.listdir(folder))}.db")
+                agent_loop.SqliteStore(path).close()
+                with contextlib.closing(sqlite3.connect(path)) as db:
+                    db.execute(sql)
+                    db.commit()
+                with self.assertRaises(ValueError) as raised:
+                    agent_loop.SqliteStore(path)
+                self.assertIn("not a store", str(raised.exception))
+
+    async def test_observations_are_saved_before_the_watcher_sees_them(self):
+        path = os.path.join(self.folder(), "runs.db")
+        store = self.store(path)
+        watching = asyncio.Event()
+
+        async def slow_watcher(event):
+            if event["event"] == "observations":
+                watching.set()
+                await asyncio.sleep(60)
+
+        limits = Limits(tool_seconds=30, model_seconds=5, total_seconds=60)
+        task = asyncio.create_task(run_agent(store=store, run_id="job", on_event=slow_watcher, limits=limits))
+        await watching.wait()
+        task.cancel()  # the crash comes while the watcher looks at the round's observations
+        await asyncio.gather(task, return_exceptions=True)
+        result = await run_agent(store=store, run_id="job", limits=limits)
+        self.assertEqual((result["status"], errors(result)), ("completed", []))  # nothing was interrupted
+        self.assertEqual(result["used"], {"rounds": 3, "calls": 3, "credits": 17})
+
+    async def test_limits_equal_in_value_resume_a_run(self):
+        store = self.store()
+        task = asyncio.create_task(run_agent(store=store, run_id="job", limits=Limits(total_seconds=30),
+                                             fixtures=Fixtures(failures={"north": ["timeout"]})))
+        await wait_until(lambda: (store.load("job") or {"history": []})["history"])
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        result = await run_agent(store=store, run_id="job", limits=Limits(total_seconds=30.0))
+        self.assertEqual(result["status"], "completed")
+
+    async def test_a_record_is_written_when_it_changes_and_not_again(self):
+        written = collections.Counter()
+
+        class Counting(agent_loop.SqliteStore):
+            def save(self, run_id, generation, state, records, events, end=None):
+                written.update(record["round"] for record in records)
+                return super().save(run_id, generation, state, records, events, end)
+
+        with Counting(":memory:") as store:
+            result = await run_agent(store=store, run_id="job", limits=ROOMY)
+        self.assertEqual(result["status"], "completed")
+        self.assertEqual(written, {1: 2, 2: 2})  # admitted, then observed: each once
+
+    def test_the_store_keeps_its_promised_durability(self):
+        with agent_loop.SqliteStore(os.path.join(self.folder(), "runs.db")) as store:
+            self.assertEqual(store.db.execute("PRAGMA journal_mode").fetchone(), ("wal",))
+            self.assertEqual(store.db.execute("PRAGMA synchronous").fetchone(), (2,))  # FULL
+
+    async def test_a_refused_save_leaves_the_store_free_for_the_next_run(self):
+        store = self.store(os.path.join(self.folder(), "runs.db"))
+        with self.assertRaises(agent_loop.Superseded):
+            store.save("nobody", 1, {"used": {"rounds": 0, "calls": 0, "credits": 0}, "paused": 0.0,
+                                     "paused_at": None}, [], [])
+        other = self.store(store.path)
+        other.claim("job", "{}", time.time())  # a write lock left behind would make this wait, then fail
+        self.assertEqual(other.claimed("job"), 1)
+
+    def test_claims_at_the_same_instant_from_several_processes_get_distinct_generations(self):
+        path = os.path.join(self.folder(), "runs.db")
+        agent_loop.SqliteStore(path).close()
+        script = textwrap.dedent(f"""
+            import sys, time
+            sys.path.insert(0, {HERE!r})
+            import agent_loop
+            with agent_loop.SqliteStore({path!r}) as store:
+                while time.time() < float(sys.argv[1]):
+                    pass
+                print(store.claim("job", "{{}}", 0.0))
+        """)
+        start = time.time() + 1.0
+        flags = ["-O"] if sys.flags.optimize else []
+        processes = [subprocess.Popen([sys.executable, *flags, "-c", script, str(start)], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True) for _ in range(4)]
+        outputs = [process.communicate(timeout=60) for process in processes]
+        self.assertEqual([err for _, err in outputs], [""] * 4)
+        self.assertEqual(sorted(int(out) for out, _ in outputs), [1, 2, 3, 4])
+
+    async def test_a_refused_rounds_calls_are_no_attempts_after_a_resume(self):
+        path = os.path.join(self.folder(), "runs.db")
+        store = self.store(path)
+        limits = Limits(tool_seconds=5, model_seconds=5, total_seconds=30, attempts=1)
+        east = call("e1", partition="east")  # refused (not a partition), observed: no attempt of read north
+        asked = []
+
+        async def refused_then_thinking(history):
+            asked.append(len(history))
+            if history:
+                await asyncio.sleep(60)  # the crash comes while the second decision is made
+            return calls(east, call("n1", partition="north"))
+
+        task = asyncio.create_task(run_agent(refused_then_thinking, store=store, run_id="job", limits=limits,
+                                             on_refused="observe", accept=never_accept))
+        await wait_until(lambda: len(asked) == 2)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        result = await run_agent(scripted(calls(call("n2", partition="north"))), store=store, run_id="job",
+                                 limits=limits, on_refused="observe", accept=never_accept)
+        self.assertEqual(result["history"][-1]["observations"][0]["ok"], True)  # its one attempt was not spent
+
     def test_a_store_leaves_no_database_open(self):
         script = textwrap.dedent(f"""
             import asyncio, sys
@@ -5819,7 +6125,8 @@ class SavedRunTests(RuntimeTestCase):
 def store_result(store, run_id):
     """What the store holds for an ended run, as run_agent returns it."""
     saved = store.load(run_id)
-    return {key: saved[key] for key in ("status", "answer", "used", "history", "trace")} | {"run_id": run_id}
+    return {"status": saved["status"], "answer": saved["answer"], "used": saved["state"]["used"],
+            "history": saved["history"], "trace": saved["trace"], "run_id": run_id}
 
 
 
