@@ -297,7 +297,8 @@ class SnapshotTests(unittest.TestCase):
         serial = dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)
         self.assertEqual((serial.cost, serial.read_only, serial.parallel_safe, serial.parameters),
                          (2, True, False, TOOLS["read_partition"].parameters))
-        self.assertEqual(dataclasses.astuple(Limits()), (6, 5, 30, 2, 0.2, 0.2, 2.0))
+        self.assertEqual(dataclasses.astuple(Limits())[:7], (6, 5, 30, 2, 0.2, 0.2, 2.0))  # the contract's seven
+        self.assertEqual(Limits().approval_seconds, 86_400.0)  # and how long a write may wait for a decision
         self.assertEqual(MODEL_COST, 3)
         with self.assertRaises(dataclasses.FrozenInstanceError):  # a registry entry cannot be changed in place
             TOOLS["read_partition"].cost = 0
@@ -5908,7 +5909,7 @@ class SavedRunTests(RuntimeTestCase):
                 self.assertEqual((result["status"], result["used"], errors(result)), (status, used, errors_seen))
                 self.assertEqual(fixtures.active, 0)
         done = run_command("scenarios")
-        rows = [line.split()[:5] for line in done.stdout.splitlines()[len(STATUSES) + 1:]]
+        rows = [line.split()[:5] for line in done.stdout.splitlines()[len(STATUSES) + 1:]][:len(expected)]
         self.assertEqual(rows, [[name, status, *map(str, used.values())] for name, (status, used, _) in expected.items()])
 
     async def test_the_bench_measures_the_stores_cost_per_round_at_each_length(self):
@@ -6128,6 +6129,274 @@ def store_result(store, run_id):
     return {"status": saved["status"], "answer": saved["answer"], "used": saved["state"]["used"],
             "history": saved["history"], "trace": saved["trace"], "run_id": run_id}
 
+
+
+# PART 14: tools that write. A write is approved before it starts, keyed so that it never applies twice, and an
+# unknown outcome is reconciled; the crash test kills a child process after its order applied.
+
+WRITING_RUN = """
+import asyncio, json, sqlite3, sys
+sys.path.insert(0, {here!r})
+import agent_loop
+
+store_path, service, ready, crash = sys.argv[1:5]
+
+
+class Service:  # an order service of its own, in a file: every effect of a key is a row
+    def __init__(self):
+        self.db = sqlite3.connect(service, isolation_level=None)
+        self.db.execute("CREATE TABLE IF NOT EXISTS effects (key TEXT, items TEXT)")
+        self.db.execute("CREATE TABLE IF NOT EXISTS asked (key TEXT)")
+
+
+class Desk(agent_loop.OrderDesk):
+    async def invoke(self, call):
+        if call["name"] != "place_order":
+            return await super().invoke(call)
+        Service().db.execute("INSERT INTO effects VALUES (?, ?)", (call["idempotency_key"], "placed"))
+        if crash == "after_apply":
+            open(ready, "w").close()
+            await asyncio.sleep(600)  # applied; the parent kills us before its observation is saved
+        return {{"order": "PO-1"}}
+
+    async def reconcile(self, call):
+        db = Service().db
+        db.execute("INSERT INTO asked VALUES (?)", (call["idempotency_key"],))
+        applied = db.execute("SELECT COUNT(*) FROM effects WHERE key = ?", (call["idempotency_key"],)).fetchone()[0]
+        return {{"applied": True, "data": {{"order": "PO-1"}}}} if applied else {{"applied": False}}
+
+
+async def main():
+    with agent_loop.SqliteStore(store_path) as store:
+        result = await agent_loop.run_agent(agent_loop.order_model, registry=agent_loop.ORDER_TOOLS,
+                                            accept=agent_loop.order_accepted, fixtures=Desk(delays={{}}), store=store,
+                                            run_id="order", approve=lambda write: "approve",
+                                            limits=agent_loop.Limits(tool_seconds=600, total_seconds=600))
+    print(json.dumps(result))
+
+
+asyncio.run(main())
+"""
+
+
+def order_errors(result):
+    return [obs["error"] for obs in observations(result) if not obs["ok"]]
+
+
+class WriteTests(RuntimeTestCase):
+    """PART 14: writes: an approval before any call of the batch starts, an idempotency key, unknown outcomes settled."""
+
+    def store(self, path=":memory:"):
+        store = agent_loop.SqliteStore(path)
+        self.addCleanup(store.close)
+        return store
+
+    async def order(self, store, desk=None, model=None, **options):
+        """The inventory task with its order, in the store, as run "order"."""
+        return await run_agent(model or agent_loop.order_model, fixtures=desk or agent_loop.OrderDesk(delays={}),
+                               store=store, run_id="order", **{"limits": ROOMY, "accept": agent_loop.order_accepted,
+                                                               "registry": agent_loop.ORDER_TOOLS, **options})
+
+    async def test_the_order_asked_about_pauses_then_a_decision_places_it_once(self):
+        store, desk = self.store(), agent_loop.OrderDesk(delays={})
+        paused = await self.order(store, desk, approve=lambda write: "ask")
+        (pending,) = paused["pending"]
+        self.assertEqual((paused["status"], desk.started, store.unfinished()),
+                         ("awaiting_approval", ["r1-north", "r1-south", "r2-plan"], ["order"]))
+        self.assertEqual(pending["idempotency_key"], agent_loop.idempotency_key("order", "r3-order"))
+        self.assertEqual(pending["arguments"], {"items": PLAN["items"]})
+        later = agent_loop.OrderDesk(delays={})
+        done = await self.order(store, later, decisions={"r3-order": "approve"})
+        self.assertEqual((done["status"], done["answer"], later.started, later.effects),
+                         ("completed", PLAN, ["r3-order"], [pending["idempotency_key"]]))
+        again = await self.order(store, agent_loop.OrderDesk(delays={}), decisions={"r3-order": "approve"})
+        self.assertEqual(again, done)  # ended: the stored result, and nothing runs twice
+
+    async def test_a_paused_runs_tools_see_no_call_until_the_decision_and_a_decision_is_used_once(self):
+        store, desk = self.store(), agent_loop.OrderDesk(delays={})
+        await self.order(store, desk, approve=lambda write: "ask")
+        for _ in range(3):  # called again without decisions: it pauses again, and no tool is called
+            idle = agent_loop.OrderDesk(delays={})
+            result = await self.order(store, idle)
+            self.assertEqual((result["status"], idle.started), ("awaiting_approval", []))
+        with self.assertRaises(ValueError) as raised:
+            await self.order(store, decisions={"r2-plan": "approve"})
+        self.assertEqual(str(raised.exception), "r2-plan: not a write awaiting a decision in this run")
+
+    async def test_a_policy_that_raises_or_says_anything_else_asks_and_no_write_starts(self):
+        def raises(write):
+            raise RuntimeError("private detail of a policy")
+
+        for policy in (raises, lambda write: "yes", lambda write: None, lambda write: ["approve"]):
+            with self.subTest(policy=policy):
+                desk = agent_loop.OrderDesk(delays={})
+                result = await self.order(self.store(), desk, approve=policy)
+                self.assertEqual((result["status"], "r3-order" in desk.started), ("awaiting_approval", False))
+                self.assertNoPrivateText(result)
+
+    async def test_a_rejected_write_aborts_its_whole_batch_and_the_model_decides_again(self):
+        batch = calls(call("read", partition="north"), call("order", "place_order", items=PLAN["items"]))
+        desk = agent_loop.OrderDesk(delays={})
+        result = await self.order(self.store(), desk, model=scripted(batch, final(PLAN)), approve=lambda write: "reject")
+        self.assertEqual((result["status"], desk.started), ("invalid_final", []))  # the read never started either
+        read, order = result["history"][0]["observations"]
+        self.assertEqual([(obs["error"], obs["retryable"]) for obs in (read, order)], [("rejected", True)] * 2)
+        self.assertEqual((order["reason"], read["reason"]),
+                         ("the write was rejected", "another call of the batch was rejected: order"))
+
+    async def test_a_decision_after_approval_seconds_starts_nothing(self):
+        store, limits = self.store(), dataclasses.replace(ROOMY, approval_seconds=0.05)
+        await self.order(store, approve=lambda write: "ask", limits=limits)
+        await asyncio.sleep(0.2)
+        desk = agent_loop.OrderDesk(delays={})
+        result = await self.order(store, desk, decisions={"r3-order": "approve"}, limits=limits)
+        self.assertEqual((result["status"], desk.started, store.unfinished()), ("approval_expired", [], []))
+
+    async def test_the_time_paused_is_no_time_of_the_runs(self):
+        store, limits = self.store(), dataclasses.replace(ROOMY, total_seconds=0.5)
+        await self.order(store, approve=lambda write: "ask", limits=limits)
+        await asyncio.sleep(0.7)  # longer than the run's whole time: paused, it is not counted
+        result = await self.order(store, decisions={"r3-order": "approve"}, limits=limits)
+        self.assertEqual(result["status"], "completed")
+
+    async def test_decisions_for_some_writes_are_kept_until_every_write_has_one(self):
+        two = calls(call("a", "place_order", items=PLAN["items"][:1]), call("b", "place_order", items=PLAN["items"][1:]))
+        model, store = scripted(two, final("done")), self.store()
+        accept = lambda answer, history: answer == "done"  # noqa: E731
+        side_by_side = {**agent_loop.ORDER_TOOLS, "place_order": dataclasses.replace(  # it says it may: writes do not
+            agent_loop.ORDER_TOOLS["place_order"], parallel_safe=True)}
+        self.order = functools.partial(self.order, registry=side_by_side)
+        first = await self.order(store, model=model, approve=lambda write: "ask", accept=accept)
+        self.assertEqual([write["call_id"] for write in first["pending"]], ["a", "b"])
+        second = await self.order(store, model=model, decisions={"a": "approve"}, accept=accept)
+        self.assertEqual((second["status"], [write["call_id"] for write in second["pending"]]), ("awaiting_approval", ["b"]))
+        desk = agent_loop.OrderDesk(delays={})
+        done = await self.order(store, desk, model=model, decisions={"b": "approve"}, accept=accept)
+        self.assertEqual((done["status"], desk.started), ("completed", ["a", "b"]))  # one after the other
+        self.assertIs(done["trace"][-3]["parallel"], False)
+        at_once = await self.order(self.store(), model=model, approve=lambda write: "approve", accept=accept)
+        (observed,) = [event for event in at_once["trace"] if event["event"] == "observations"]
+        self.assertIs(observed["parallel"], False)  # approved at once: still one after the other
+
+    async def test_a_write_functions_key_is_stable_and_one_without_it_is_refused(self):
+        keys = []
+
+        def place(items, idempotency_key):
+            keys.append(idempotency_key)
+            return {"order": "PO-1"}
+
+        registry = {"place": ToolSpec(1, False, False, parameters=agent_loop._closed(items={"type": "array"}))}
+        model = scripted(calls(call("w1", "place", items=[1])), final("placed"))
+        result = await run_agent(model, registry=registry, fixtures=agent_loop.FunctionTools({"place": place}),
+                                 accept=lambda answer, history: True, store=self.store(), run_id="job",
+                                 approve=lambda write: "approve", limits=ROOMY)
+        self.assertEqual((result["status"], keys), ("completed", [agent_loop.idempotency_key("job", "w1")]))
+        self.assertEqual(agent_loop.idempotency_key("job", "w1"), agent_loop.idempotency_key("job", "w1"))
+        self.assertNotEqual(agent_loop.idempotency_key("job:w", "1"), agent_loop.idempotency_key("job", "w:1"))
+        await self.assertRefusedBeforeTheModelIsAsked(
+            "place: a write function takes the keyword argument idempotency_key", registry=registry,
+            fixtures=agent_loop.FunctionTools({"place": lambda items: None}), accept=never_accept,
+            store=self.store(), run_id="job", approve=lambda write: "approve")
+
+    async def test_writes_are_opt_in_and_what_they_need_is_checked_before_the_model_is_asked(self):
+        desk = agent_loop.OrderDesk(delays={})
+        plain = await run_agent(agent_loop.order_model, registry=agent_loop.ORDER_TOOLS, accept=agent_loop.order_accepted,
+                                fixtures=desk, limits=ROOMY)  # no approve: a write is refused, as in the article
+        self.assertEqual((plain["status"], "r3-order" in desk.started), ("permission_denied", False))
+        desk = agent_loop.OrderDesk(delays={})
+        stored = await self.order(self.store(), desk)  # a store, but no approve: still refused
+        self.assertEqual((stored["status"], "r3-order" in desk.started), ("permission_denied", False))
+        store = self.store()
+        cases = [({"approve": lambda write: "approve"}, "approve needs a store, so that a write's fate survives a "
+                                                         "crash: give the store too"),
+                 ({"decisions": {"a": "approve"}}, "decisions are for a run in a store: give the store too"),
+                 ({"store": store, "run_id": "x", "approve": "approve"}, "approve must be a plain function of a write's call"),
+                 ({"store": store, "run_id": "x", "decisions": {"a": "yes"}},
+                  "decisions must be a dict of call ids to 'approve' or 'reject'"),
+                 ({"store": store, "run_id": "x", "decisions": {"a": "approve"}},
+                  "a: not a write awaiting a decision in this run")]
+        for options, message in cases:
+            with self.subTest(message=message):
+                await self.assertRefusedBeforeTheModelIsAsked(message, registry=agent_loop.ORDER_TOOLS,
+                                                              fixtures=agent_loop.OrderDesk(), accept=never_accept,
+                                                              **options)
+        self.assertEqual(store.unfinished(), [])
+
+    async def test_an_order_that_timed_out_after_it_applied_is_reconciled_not_placed_twice(self):
+        desk = agent_loop.OrderDesk(delays={}, failures={"place_order": ["timeout_after_apply"]})
+        result = await self.order(self.store(), desk, approve=lambda write: "approve",
+                                  limits=dataclasses.replace(ROOMY, tool_seconds=0.2))
+        order = result["history"][2]["observations"][0]
+        self.assertEqual((result["status"], order["ok"], order["reconciled"], len(desk.effects)),
+                         ("completed", True, True, 1))
+        (shown,) = code_blocks(readme_section("Tools that write"), "json")
+        self.assertEqual(json.loads(shown), order)
+
+    async def test_an_unknown_outcome_pauses_the_run_and_a_later_call_asks_reconcile_again(self):
+        class Unsure(agent_loop.OrderDesk):  # it cannot tell the first time, and can the second
+            answers = [{"applied": "perhaps"}]
+            asked = []
+
+            async def reconcile(self, call):
+                self.asked.append(call["idempotency_key"])
+                return self.answers.pop(0) if self.answers else await super().reconcile(call)
+
+        store = self.store()
+        desk = Unsure(delays={}, failures={"place_order": ["timeout_after_apply"]})
+        limits = dataclasses.replace(ROOMY, tool_seconds=0.2)
+        paused = await self.order(store, desk, approve=lambda write: "approve", limits=limits)
+        self.assertEqual((paused["status"], [write["call_id"] for write in paused["unknown"]]),
+                         ("unknown_outcome", ["r3-order"]))
+        self.assertFalse(agent_loop.order_accepted(PLAN, paused["history"]))  # an unknown write is no evidence
+        resumed = await self.order(store, desk, limits=limits)
+        key = agent_loop.idempotency_key("order", "r3-order")
+        self.assertEqual(desk.asked, [key, key])  # asked again, with the same key
+        self.assertEqual(resumed["history"][2]["observations"][0]["reconciled"], True)
+        self.assertEqual((resumed["status"], len(desk.effects)), ("completed", 1))  # it applied once, and only once
+        self.assertIn({"event": "reconciled", "round": 3, "call_id": "r3-order", "outcome": "applied",
+                       "rounds": 3, "calls": 4, "credits": 20}, resumed["trace"])
+
+    async def test_a_write_that_did_not_apply_says_so_and_only_an_unknown_one_is_reconciled(self):
+        asked = []
+
+        class Desk(agent_loop.OrderDesk):
+            async def reconcile(self, call):
+                asked.append(call["call_id"])
+                return await super().reconcile(call)
+
+        for fault, error in (("temporary", "temporary"), ("timeout", "not_applied")):
+            with self.subTest(fault=fault):
+                asked.clear()
+                desk = Desk(delays={}, failures={"place_order": [fault]})
+                result = await self.order(self.store(), desk, approve=lambda write: "approve",
+                                          limits=dataclasses.replace(ROOMY, tool_seconds=0.2))
+                order = result["history"][2]["observations"][0]
+                self.assertEqual((order["error"], order["retryable"]), (error, True))
+                self.assertEqual(asked, [] if fault == "temporary" else ["r3-order"])
+                self.assertEqual((result["status"], len(desk.effects)), ("completed", 1))  # placed later, once
+
+    def test_a_write_killed_after_it_applied_applies_once_after_the_resume(self):
+        folder = tempfile.mkdtemp(prefix="agent_loop_write_")
+        self.addCleanup(shutil.rmtree, folder, True)
+        store, service, ready = (os.path.join(folder, name) for name in ("runs.db", "service.db", "ready"))
+        script = WRITING_RUN.format(here=HERE)
+        run_in_a_process(script, store, service, ready, "after_apply", kill_when=ready)
+        result = run_in_a_process(script, store, service, ready, "none")
+        key = agent_loop.idempotency_key("order", "r3-order")
+        with contextlib.closing(sqlite3.connect(service)) as db:
+            effects = db.execute("SELECT key FROM effects").fetchall()
+            asked = db.execute("SELECT key FROM asked").fetchall()
+        self.assertEqual((result["status"], effects, asked), ("completed", [(key,)], [(key,)]))
+        order = result["history"][2]["observations"][0]
+        self.assertEqual((order["ok"], order["reconciled"]), (True, True))
+        self.assertEqual([event["event"] for event in result["trace"]].count("write"), 1)
+
+    async def test_the_atlas_shows_a_write_asked_about_decided_too_late_and_unknown(self):
+        expected = {"awaiting_approval": (3, 3, 17), "approval_expired": (3, 3, 17), "unknown_outcome": (3, 4, 20)}
+        for name, used in expected.items():
+            with self.subTest(name=name):
+                result, _ = await agent_loop.run_scenario(name)
+                self.assertEqual((result["status"], tuple(result["used"].values())), (name, used))
 
 
 class ReadmeTests(RuntimeTestCase):
