@@ -18,6 +18,7 @@ import inspect
 import json
 import marshal
 import math
+import multiprocessing
 import os
 import platform
 import re
@@ -849,8 +850,8 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
 
     async def observe(item):  # run one admitted call and return its observation; nothing it raises escapes
         try:
-            seconds = min(limits.tool_seconds, time_left())
             await journal.started(item)  # the claim still holds; a write is saved as started (PART 14)
+            seconds = min(limits.tool_seconds, time_left())
         except Stop as stop:  # overtaken by a stop: neither started nor counted
             return _failure(item, str(stop), False)
         used["calls"] += 1
@@ -932,6 +933,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
         stop = _came_first(stop, time_left)  # a cancel or the deadline that came before a late check's stop wins
         return await finish(str(stop), **stop.why)
     finally:
+        journal.close()
         await _settle(cancel_wait)
 
 
@@ -1203,6 +1205,9 @@ class _Unsaved:
     def handed(self, item):  # the call as its tool gets it: a copy, so that a tool that edits it cannot edit history
         return _copy(item)
 
+    def close(self):  # run_agent has returned, or was cut
+        pass
+
     run_batch = staticmethod(_run_batch)
 
 
@@ -1376,7 +1381,7 @@ class FunctionTools:
             raise ValueError("reconcile: not a function")
         self.reconciles = reconcile
         self.abandoned = []  # ids of calls whose thread was still running when the runtime stopped waiting
-        self._threads = []   # their futures, to wait for
+        self._threads = {}   # their futures, by call id, to wait for
 
     async def invoke(self, call):
         """Run the call's function: awaited if it is async, else in a thread; copy the result at delivery."""
@@ -1388,7 +1393,7 @@ class FunctionTools:
         else:
             def abandon(thread):
                 self.abandoned.append(cid)
-                self._threads.append(thread)
+                self._threads[cid] = thread
 
             result = await _in_thread(function, args, self._start, abandon)
             if inspect.isawaitable(result):  # a plain callable that returned an awaitable: a lambda, say
@@ -1416,15 +1421,22 @@ class FunctionTools:
                 raise ValueError(f"{name}: a write function takes the keyword argument idempotency_key")
 
     async def reconcile(self, call):
-        """What the reconcile function says of a write whose outcome is unknown, or None without one."""
-        return None if self.reconciles is None else await _called(self.reconciles, _copy(call))
+        """What the reconcile function says of a write whose outcome is unknown (a plain function runs in a thread, as
+        a write does); None without one, and while the write's own thread still runs: nothing is known yet."""
+        thread = self._threads.get(call["call_id"])
+        if self.reconciles is None or thread is not None and not thread.done():
+            return None
+        if _is_async(self.reconciles):
+            return await self.reconciles(_copy(call))
+        said = await _in_thread(lambda call: self.reconciles(call), {"call": _copy(call)}, self._start)
+        return await said if inspect.isawaitable(said) else said
 
     def _start(self, work):
         _start_thread(work)
 
     async def wait_abandoned(self, seconds):
         """Wait up to `seconds` for the abandoned threads to end; return True if none is still running."""
-        running = [asyncio.wrap_future(thread) for thread in self._threads if not thread.done()]
+        running = [asyncio.wrap_future(thread) for thread in self._threads.values() if not thread.done()]
         try:
             if running:
                 await asyncio.wait(running, timeout=seconds)
@@ -1434,7 +1446,7 @@ class FunctionTools:
                     waiter.exception()  # a late outcome, known and dropped
                 else:
                     waiter.cancel()  # stop waiting; the thread itself runs on
-        return all(thread.done() for thread in self._threads)
+        return all(thread.done() for thread in self._threads.values())
 
 
 # PART 7: a refused batch as an observation, for the model to correct: run_agent(..., on_refused="observe")
@@ -2596,7 +2608,8 @@ def _svg_document(runs):
             + "\n".join(body) + "\n</svg>\n")
 
 
-# PART 13: a named run, saved in SQLite as it goes, that resumes after a crash where it stopped, nothing refunded
+# PART 13: a named run, saved in a database as it goes (SQLite, or PostgreSQL), that resumes after a crash where it
+# stopped, nothing refunded; runs leased, so that a pool of workers can share the database (PART 15)
 
 # Another process claimed the run, or the store could not save it: either way this process starts nothing more.
 STOP_STATUSES += ("superseded", "store_failed")
@@ -2605,7 +2618,23 @@ STORE_VERSION = 1  # the layout of what a store holds: a store of another versio
 
 
 class Superseded(Exception):
-    """What a store's save raises when another process has claimed the run since this one did."""
+    """What a store raises when this process holds the run no longer: its reason is "stale" (another process has
+    claimed the run since) or "lease_expired" (its lease ran out, whether or not another process has claimed it)."""
+
+    def __init__(self, run_id, reason="stale"):
+        super().__init__(run_id, reason)
+        self.reason = reason
+
+
+_FENCES = {"stale": "another process claimed the run", "lease_expired": "its lease ran out"}
+
+
+def _lost(error):
+    """The stop of a run whose store refused it (Superseded: superseded, saying why) or failed (store_failed)."""
+    if isinstance(error, Superseded):
+        reason = error.reason if type(error.reason) is str and error.reason in _FENCES else "stale"
+        return Stop("superseded", reason=_FENCES[reason])
+    return Stop("store_failed", error_type=_error_type(error))
 
 
 class Store:
@@ -2613,18 +2642,22 @@ class Store:
 
     Per run id a store holds plain JSON data: the run's config (its registry's names, costs, permissions and schemas,
     and its limits, as canonical JSON), when it first started (time.time()), its generation (which claim holds it),
-    its state ({"used", "paused": seconds spent paused, "paused_at": when a pause began, or None}), its history
+    its state ({"used", "paused": seconds spent paused, "paused_at": when a pause began, "asked_at": when its
+    writes were first asked about (PART 14), each time.time() or None}), its history
     records (one per round), its trace events and, once it has ended, its status and answer. Your own store
     implements five methods:
       load(run_id): the run as {"config", "started", "generation", "state", "history", "trace", "status", "answer"}
         (status None while it has not ended), or None;
       claim(run_id, config, started): in one transaction, make the run (generation 1) if it is not there, else raise
         its generation by one, which fences whoever held it; return the generation;
-      claimed(run_id): the run's generation now, cheaply: a process checks it before it starts a call;
-      save(run_id, generation, state, records, events, end=None): in one transaction, only while the run's generation
-        is still `generation` (else raise Superseded): store state, the records (each replacing any of its round),
-        the events (after those stored) and, with end = (status, answer), the run's end;
+      claimed(run_id, generation): raise Superseded unless the run is still held under generation; cheap: a process
+        asks before it starts a call;
+      save(run_id, generation, state, records, events, end=None): in one transaction, only while the run is still
+        held under generation (else raise Superseded): store state, the records (each replacing any of its round),
+        the events (after those stored) and, with end = (status, answer), the run's end; a state whose "paused_at"
+        is not None is a pause (PART 14);
       unfinished(): the ids of the runs that have not ended, oldest first.
+    A store with leases (SqlStore) has lease_seconds, renew(run_id, generation) and release(run_id, generation) too.
     Everything else (what a crash leaves, resuming, fencing) is the runtime's: journal() makes it."""
 
     def journal(self, run_id, registry, limits, tools=None, **writes):
@@ -2648,21 +2681,25 @@ class _Journal(_Unsaved):
     tool's validate and description are not compared (a function cannot be)."""
 
     def __init__(self, store, run_id, registry, limits, tools=None):
-        if type(run_id) is not str or not 1 <= len(run_id) <= 80 or not run_id.isprintable():
-            raise ValueError("run_id must be a string of 1 to 80 printable characters")
+        _checked_run_id(run_id)
         self.store, self.run_id, self.registry, self.limits, self.tools = store, run_id, registry, limits, tools
         self.config = canonical(_integral({
             "limits": [getattr(limits, field.name) for field in dataclasses.fields(Limits)],
             "registry": {name: [spec.cost, spec.read_only, spec.parallel_safe, spec.parameters]
                          for name, spec in registry.items()}}))
-        saved = self._load()
+        saved, self.holding, self.renewal, self.lost = self._load(), False, None, None
         if saved is None or saved["status"] is None:
             self._check(saved)  # all that can refuse the run does so here, before the claim fences anyone
             # Claimed, then read again: what another process saved before the claim is this one's to go on from.
-            self.generation = self._asked(store.claim, run_id, self.config, time.time())
+            self.generation, self.holding = self._asked(store.claim, run_id, self.config, time.time()), True
             saved = self._load()
+            try:
+                self._check(saved)  # again: another process may have gone on with the run in between
+            except ValueError:
+                self.close()
+                raise
         self.saved, self.lost, self.saved_records, self.events = saved, None, [], 0
-        self.paused, self.pause_began, self.paused_at = 0.0, None, None
+        self.paused, self.pause_began, self.paused_at, self.asked_at = 0.0, None, None, None
         if saved:  # a run paused until now (PART 14) ends its pause here: the time paused is no time of the run's
             self.paused, self.pause_began = saved["state"]["paused"], saved["state"]["paused_at"]
             self.paused += 0.0 if self.pause_began is None else max(0.0, time.time() - self.pause_began)
@@ -2696,6 +2733,7 @@ class _Journal(_Unsaved):
     async def resume(self, used, history, trace, used_ids, attempts, emit, act, wait):
         """Put the saved run back into run_agent's state, and say so; return the stored result if it has ended."""
         saved, self.state = self.saved, (used, history, trace)
+        self._renew_later()
         if saved is None or not saved["trace"] and saved["state"]["used"] == _NOTHING_USED:  # new, or only claimed
             return None
         if saved["status"] is not None:  # ended: its result as stored, and nothing is asked of the model or the tools
@@ -2728,8 +2766,8 @@ class _Journal(_Unsaved):
     async def _go_on(self, record, act, wait, emit, used):
         """What else a resumed run does with its last round before it decides again (PART 14 has writes to settle)."""
 
-    def _ends(self, status):
-        """True if a run stopped with this status has ended (PART 14 has statuses that only pause it)."""
+    def _ends(self, result):
+        """True if a run with this result has ended (PART 14 has runs that only pause)."""
         return True
 
     def _cut(self, record):
@@ -2740,44 +2778,76 @@ class _Journal(_Unsaved):
         """The observation of a call a crash cut, that may have started or not."""
         return _failure(item, "interrupted", True)
 
+    def _renew_later(self):
+        """While the run holds a lease, renew it every third of it: a run that waits long keeps it."""
+        seconds = getattr(self.store, "lease_seconds", None)
+        if self.holding and self.lost is None and callable(getattr(self.store, "renew", None)) and \
+                type(seconds) in (int, float) and seconds > 0:
+            self.renewal = asyncio.get_running_loop().call_later(seconds / 3, self._renew)
+
+    def _renew(self):
+        try:
+            self.store.renew(self.run_id, self.generation)
+        except Exception as error:  # fenced: the run stops at its next step, and renews nothing more
+            self.lost = _lost(error)
+            return
+        self._renew_later()
+
+    def close(self):
+        """When run_agent returns, or is cut: renew no more, and let a lease still held go (an ended run's is)."""
+        if self.renewal is not None:
+            self.renewal.cancel()
+        release = getattr(self.store, "release", None)
+        if self.holding and self.lost is None and callable(release):
+            self.holding = False
+            with contextlib.suppress(Exception):  # not let go, it runs out
+                release(self.run_id, self.generation)
+
     def saw(self, event):
         if event["event"] != "decision":  # a decision spends nothing: it is saved with what comes of it
             self.save()
 
     async def started(self, item):
-        """Before a call is handed over: Stop("superseded") if another process has claimed the run since."""
-        try:
-            fenced = self.store.claimed(self.run_id) != self.generation
-        except Exception as error:
-            raise Stop("store_failed", error_type=_error_type(error)) from None
-        if fenced:
-            self.lost = Stop("superseded", reason="another process claimed the run")
+        """Before a call is handed over: Stop("superseded") if this process holds the run no longer."""
+        if self.lost is None:
+            try:
+                self.store.claimed(self.run_id, self.generation)
+            except Exception as error:
+                self.lost = _lost(error)
+        if self.lost is not None:
             raise self.lost
 
     def save(self, result=None):
         """Save what changed since the last save (the run's end too, given its result), in one transaction; else
         Stop("superseded") if another process has claimed the run since, Stop("store_failed") if the store failed.
         Return the result; at the end, a run that could not save it has that status, its answer dropped."""
-        if self.lost is not None:
-            return result and _unsaved_end(result, self.lost)
+        if self.lost is not None:  # nothing is saved once the claim is lost, or the store failed
+            if result is None:
+                raise self.lost
+            return _unsaved_end(result, self.lost)
         used, history, trace = self.state
-        end = None if result is None or not self._ends(result["status"]) else (result["status"], result["answer"])
+        end = None if result is None or not self._ends(result) else (result["status"], result["answer"])
         if result is not None and end is None:  # a pause: its time is not counted against the run's
             self.paused_at = time.time()
         # The records that changed since the last save: the new ones, and the last one saved if it gained observations.
         first = len(history) - len(self.saved_records[-1:]) if self.saved_records else 0
         records = [record for record in history[max(first, 0):] if record not in self.saved_records]
-        state = {"used": used, "paused": self.paused, "paused_at": self.paused_at}
+        state = {"used": used, "paused": self.paused, "paused_at": self.paused_at, "asked_at": self.asked_at}
         try:
             self.store.save(self.run_id, self.generation, state, records, trace[self.events:], end)
         except Exception as error:  # Superseded, or the database's own error (a full disk, a lock held too long)
-            self.lost = Stop("superseded", reason="another process claimed the run") if type(error) is Superseded \
-                else Stop("store_failed", error_type=_error_type(error))
+            self.lost = _lost(error)
             if result is not None:
                 return _unsaved_end(result, self.lost)
             raise self.lost from None
         self.saved_records, self.events = [_copy(record) for record in history[-1:]], len(trace)
+        self.holding = self.holding and result is None  # an end or a pause lets the lease go
         return result
+
+
+def _checked_run_id(run_id):
+    if type(run_id) is not str or not 1 <= len(run_id) <= 80 or not run_id.isprintable():
+        raise ValueError("run_id must be a string of 1 to 80 printable characters")
 
 
 JOURNALS = {"reads": _Journal}  # the journals a store makes: PART 14 adds the one that runs writes
@@ -2795,12 +2865,12 @@ def _a_saved_run(saved, registry, limits):
     if not _has_keys(saved, _SAVED_KEYS) or not all(map(_is_data, saved.values())):
         return False
     state, history, trace = saved["state"], saved["history"], saved["trace"]
-    if not (_has_keys(state, {"used", "paused", "paused_at"}) and _has_keys(state["used"], set(_NOTHING_USED))
+    if not (_has_keys(state, set(_NOTHING_SAVED)) and _has_keys(state["used"], set(_NOTHING_USED))
             and type(history) is list and type(trace) is list and type(saved["config"]) is str
             and type(saved["started"]) in (int, float) and type(saved["generation"]) is int
             and (saved["status"] is None or saved["status"] in STOP_STATUSES)
-            and type(state["paused"]) in (int, float) and (state["paused_at"] is None or
-                                                           type(state["paused_at"]) in (int, float))):
+            and type(state["paused"]) in (int, float)
+            and all(state[key] is None or type(state[key]) in (int, float) for key in ("paused_at", "asked_at"))):
         return False
     used = state["used"]
     within = [(used["rounds"], limits.rounds), (used["calls"], limits.calls), (used["credits"], limits.credits)]
@@ -2830,61 +2900,98 @@ def _a_saved_run(saved, registry, limits):
 _SAVED_KEYS = {"config", "started", "generation", "state", "history", "trace", "status", "answer"}
 
 
-class SqliteStore(Store):
-    """Runs saved in an SQLite file (or ":memory:", for tests), on the standard library's sqlite3.
+class SqlStore(Store):
+    """Runs saved in a SQL database that a pool of workers can share: SQLite, or PostgreSQL through your connection.
 
-    Durability: the write-ahead log with synchronous=FULL, so a save has reached the disk when it returns, and survives
-    a killed process and a power cut alike. A save is one transaction (BEGIN IMMEDIATE) that writes what changed: the
-    run's row, the records that changed (one or two) and the new events, whatever the run's length. Close it when
-    done, or use it in a with block."""
+    connection: a sqlite3 connection, or a psycopg 3 connection, in autocommit mode (sqlite3.connect(path,
+    isolation_level=None), psycopg.connect(conninfo, autocommit=True)): the store's transactions are its own. It is
+    yours: close it yourself. Or a function of no arguments that makes one: the store calls it once and closes what it
+    made in close(). The store makes its tables (agent_loop_*) beside any of yours; the module imports no driver.
 
-    def __init__(self, path):
-        self.path = path
+    A lease: a claim holds its run for lease_seconds (30 by default) on the store's clock (time.time: workers on
+    several machines need their clocks in sync), held by this store object. Each save renews it, and a running run
+    renews it in the background every third of it; a run that ends, or pauses (PART 14), lets it go. A save, a
+    renewal or a call started after the lease ran out is refused (Superseded "lease_expired"), whether or not another
+    worker has taken the run since; after another claim, as "stale".
+
+    The queue: add(run_id) records a run that has not started; claim_next() leases the oldest unfinished run that no
+    live lease holds and that no pause holds (never started, crashed and past its lease, or let go) and returns its
+    id, or None; run_agent(..., store=store, run_id=that_id) runs it under that lease. A run claimed by name instead
+    is taken over at once, its holder fenced. SQLite keeps a writer at a time; PostgreSQL's claims skip the rows that
+    another claim has locked (see _DIALECTS, all that differs between them). Durability is the database's: SQLite's
+    here (the write-ahead log, synchronous=FULL), PostgreSQL's own (synchronous_commit)."""
+
+    def __init__(self, connection, lease_seconds=30.0, clock=time.time):
+        if type(lease_seconds) not in (int, float) or not 0 < lease_seconds <= 86_400:
+            raise ValueError("lease_seconds must be a number of seconds above 0, at most a day")
+        if not callable(clock):
+            raise ValueError("clock must be a function of no arguments, such as time.time")
+        made = _driver_of(connection) is None and callable(connection)
         try:
-            self.db = sqlite3.connect(path, isolation_level=None, timeout=5)  # autocommit: transactions are ours
-        except sqlite3.Error:
-            raise ValueError(f"{path}: cannot open it as a store") from None
+            db = connection() if made else connection
+        except Exception as error:
+            raise ValueError(f"the connection function failed: {_error_type(error)}") from None
+        driver = _driver_of(db)
+        if driver is None:
+            raise ValueError("connection must be a sqlite3 or psycopg 3 connection, or a function that makes one")
+        self.db, self.made, self.dialect = db, made, _DIALECTS[driver]
+        self.lease_seconds, self.clock, self.error = float(lease_seconds), clock, sys.modules[driver].Error
+        self.holder = os.urandom(8).hex()  # whose lease it is: this store object's
+        self.leased = {}  # run id: the generation claim_next leased it under, until a run claims it
         try:
+            if not self.dialect["autocommit"](db):
+                raise ValueError("the connection must be in autocommit mode: the store's transactions are its own")
             self._made()
-        except (sqlite3.DatabaseError, ValueError) as error:
-            self.db.close()
-            raise ValueError(str(error) if type(error) is ValueError else f"{path}: not a store") from None
+        except (self.error, ValueError) as error:
+            self.close()
+            raise ValueError(str(error) if type(error) is ValueError else f"{self._name}: not a store") from None
+
+    _name = "the database"
+
+    def _sql(self, statement, parameters=()):
+        cursor = self.db.cursor()
+        cursor.execute(statement.replace("?", self.dialect["mark"]), parameters)
+        return cursor
 
     def _made(self):
-        """The store's tables, made in a new file; ValueError for a database that is another's, or another version's."""
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
-        tables = {row[0] for row in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        if not tables or tables == {"agent_loop_meta"}:  # new (or being made by another process at this instant)
-            self.db.executescript(f"BEGIN IMMEDIATE; {_STORE_TABLES} INSERT OR IGNORE INTO agent_loop_meta "
-                                  f"VALUES ('version', '{STORE_VERSION}'); COMMIT;")
-        elif "agent_loop_meta" not in tables:
-            raise ValueError(f"{self.path}: not a store (its tables are another program's)")
-        version = self.db.execute("SELECT value FROM agent_loop_meta WHERE key = 'version'").fetchone()
-        if version != (str(STORE_VERSION),):
-            raise ValueError(f"{self.path}: a store of another version")
-        for columns in _STORE_COLUMNS:  # every table and column there (sqlite3.DatabaseError if not: not a store)
-            self.db.execute(f"SELECT {columns} LIMIT 0")
+        """The store's tables, made where they are not; ValueError for a store of another version, or broken."""
+        for statement in self.dialect["setup"]:
+            self._sql(statement)
+        if "agent_loop_meta" not in {name for name, in self._sql(self.dialect["tables"])}:  # new: made here
+            with self._transaction(self.dialect["alone"]):  # one maker at a time, whichever process comes first
+                for statement in filter(str.strip, _STORE_TABLES.split(";")):
+                    self._sql(statement)
+                for key, value in (("version", str(STORE_VERSION)), ("store", os.urandom(8).hex())):
+                    self._sql("INSERT INTO agent_loop_meta VALUES (?, ?) ON CONFLICT (key) DO NOTHING", (key, value))
+        meta = dict(self._sql("SELECT key, value FROM agent_loop_meta").fetchall())
+        if meta.get("version") != str(STORE_VERSION) or type(meta.get("store")) is not str:
+            raise ValueError(f"{self._name}: a store of another version")
+        self.store_id = meta["store"]  # this store's own: its writes' keys are no other store's
+        for columns in _STORE_COLUMNS:  # every table and column there (the driver's error if not: not a store)
+            self._sql(f"SELECT {columns} LIMIT 0").fetchall()
 
     @contextlib.contextmanager
-    def _transaction(self):
-        self.db.execute("BEGIN IMMEDIATE")  # the write lock now, not at the first write: claims never interleave
+    def _transaction(self, first=None):
+        self._sql(self.dialect["begin"])  # SQLite: the write lock now, not at the first write
         try:
+            if first:
+                self._sql(first)
             yield
         except BaseException:
-            self.db.execute("ROLLBACK")
+            with contextlib.suppress(self.error):  # a connection that broke rolls back on its own
+                self._sql("ROLLBACK")
             raise
-        self.db.execute("COMMIT")
+        self._sql("COMMIT")
 
     def load(self, run_id):
-        """The run as saved, or None."""
-        row = self.db.execute("SELECT config, started, generation, state, status, answer FROM agent_loop_runs "
-                              "WHERE run_id = ?", (run_id,)).fetchone()
-        if row is None:
+        """The run as saved, or None (also for a run added that has not started)."""
+        row = self._sql("SELECT config, started, generation, state, status, answer FROM agent_loop_runs "
+                        "WHERE run_id = ?", (run_id,)).fetchone()
+        if row is None or row[0] is None:
             return None
         config, started, generation, state, status, answer = row
-        records = self.db.execute("SELECT body FROM agent_loop_records WHERE run_id = ? ORDER BY round", (run_id,))
-        events = self.db.execute("SELECT body FROM agent_loop_events WHERE run_id = ? ORDER BY seq", (run_id,))
+        records = self._sql("SELECT body FROM agent_loop_records WHERE run_id = ? ORDER BY round", (run_id,))
+        events = self._sql("SELECT body FROM agent_loop_events WHERE run_id = ? ORDER BY seq", (run_id,))
         try:
             return {"config": config, "started": started, "generation": generation, "state": json.loads(state),
                     "history": [json.loads(body) for body, in records], "trace": [json.loads(body) for body, in events],
@@ -2892,50 +2999,104 @@ class SqliteStore(Store):
         except (TypeError, ValueError):  # not JSON text: not what a store writes
             return {}
 
-    def claim(self, run_id, config, started):
-        """This process's claim on the run: made new, or its generation raised, fencing whoever held it."""
+    def add(self, run_id):
+        """Record a run that has not started, for claim_next; a run already there is left as it is."""
+        _checked_run_id(run_id)
         with self._transaction():
-            row = self.db.execute("SELECT generation FROM agent_loop_runs WHERE run_id = ?", (run_id,)).fetchone()
-            if row is None:
-                state = {"used": _NOTHING_USED, "paused": 0.0, "paused_at": None}
-                self.db.execute("INSERT INTO agent_loop_runs (run_id, generation, config, started, state) "
-                                "VALUES (?, 1, ?, ?, ?)", (run_id, config, started, json.dumps(state)))
-                return 1
-            self.db.execute("UPDATE agent_loop_runs SET generation = ? WHERE run_id = ?", (row[0] + 1, run_id))
-            return row[0] + 1
+            self._sql("INSERT INTO agent_loop_runs (run_id, generation, added) VALUES (?, 0, ?) "
+                      "ON CONFLICT (run_id) DO NOTHING", (run_id, self.clock()))
 
-    def claimed(self, run_id):
-        """The generation that holds the run now."""
-        row = self.db.execute("SELECT generation FROM agent_loop_runs WHERE run_id = ?", (run_id,)).fetchone()
-        return None if row is None else row[0]
+    def claim_next(self):
+        """Lease the oldest run that is free to run to this store, in one transaction, and return its id; or None."""
+        now = self.clock()
+        with self._transaction():
+            row = self._sql("SELECT run_id, generation FROM agent_loop_runs WHERE status IS NULL AND waiting = 0 AND "
+                            "(lease_until IS NULL OR lease_until <= ?) ORDER BY added, run_id LIMIT 1"
+                            + self.dialect["skip_locked"], (now,)).fetchone()
+            if row is None:
+                return None
+            run_id, generation = row[0], row[1] + 1  # a new generation: a holder whose lease ran out is fenced
+            self._sql("UPDATE agent_loop_runs SET generation = ?, holder = ?, lease_until = ? WHERE run_id = ?",
+                      (generation, self.holder, now + self.lease_seconds, run_id))
+        self.leased[run_id] = generation
+        return run_id
+
+    def claim(self, run_id, config, started):
+        """The run's claim for this process: under the lease claim_next gave it, or taken over, fencing its holder."""
+        now, state = self.clock(), json.dumps(_NOTHING_SAVED)
+        with self._transaction():
+            self._sql("INSERT INTO agent_loop_runs (run_id, generation, added) VALUES (?, 0, ?) "
+                      "ON CONFLICT (run_id) DO NOTHING", (run_id, now))
+            generation, holder, until = self._sql("SELECT generation, holder, lease_until FROM agent_loop_runs "
+                                                  "WHERE run_id = ?" + self.dialect["lock"], (run_id,)).fetchone()
+            leased = self.leased.pop(run_id, None) == generation and holder == self.holder and \
+                (until or 0) > now
+            generation += 0 if leased else 1
+            self._sql("UPDATE agent_loop_runs SET generation = ?, holder = ?, lease_until = ?, config = COALESCE("
+                      "config, ?), started = COALESCE(started, ?), state = COALESCE(state, ?) WHERE run_id = ?",
+                      (generation, self.holder, now + self.lease_seconds, config, started, state, run_id))
+        return generation
+
+    def _fenced(self, run_id, generation, now):
+        """Superseded, saying why this store holds the run under generation no longer (None if it still does)."""
+        row = self._sql("SELECT generation, holder, lease_until FROM agent_loop_runs WHERE run_id = ?",
+                        (run_id,)).fetchone()
+        if row is None or row[0] != generation or row[1] != self.holder:
+            return Superseded(run_id, "stale")
+        return None if row[2] is not None and row[2] > now else Superseded(run_id, "lease_expired")
+
+    def claimed(self, run_id, generation):
+        """Superseded unless this store still holds the run under generation, its lease running."""
+        fenced = self._fenced(run_id, generation, self.clock())
+        if fenced is not None:
+            raise fenced
+
+    def renew(self, run_id, generation):
+        """The lease extended by lease_seconds from now; Superseded if this store holds the run no longer."""
+        now = self.clock()
+        changed = self._sql("UPDATE agent_loop_runs SET lease_until = ? WHERE run_id = ? AND generation = ? AND "
+                            "holder = ? AND lease_until > ?",
+                            (now + self.lease_seconds, run_id, generation, self.holder, now)).rowcount
+        if changed != 1:
+            raise self._fenced(run_id, generation, now) or Superseded(run_id, "lease_expired")
+
+    def release(self, run_id, generation):
+        """Let the run go, not ended: claim_next may give it to another worker at once."""
+        self._sql("UPDATE agent_loop_runs SET holder = NULL, lease_until = NULL WHERE run_id = ? AND generation = ? "
+                  "AND holder = ?", (run_id, generation, self.holder))
 
     def save(self, run_id, generation, state, records, events, end=None):
-        """What changed, in one transaction, if the claim still holds; else Superseded."""
+        """What changed, in one transaction, if this store still holds the run; else Superseded. An end or a pause
+        lets the lease go; any other save renews it."""
+        now, done = self.clock(), end is not None or state["paused_at"] is not None
+        status, answer = (None, None) if end is None else (end[0], json.dumps(end[1], ensure_ascii=False))
         with self._transaction():
-            status, answer = (None, None) if end is None else (end[0], json.dumps(end[1], ensure_ascii=False))
-            changed = self.db.execute("UPDATE agent_loop_runs SET state = ?, status = ?, answer = ? "
-                                      "WHERE run_id = ? AND generation = ?",
-                                      (json.dumps(state), status, answer, run_id, generation)).rowcount
+            changed = self._sql(
+                "UPDATE agent_loop_runs SET state = ?, status = ?, answer = ?, waiting = ?, holder = ?, "
+                "lease_until = ? WHERE run_id = ? AND generation = ? AND holder = ? AND lease_until > ?",
+                (json.dumps(state), status, answer, int(end is None and done), None if done else self.holder,
+                 None if done else now + self.lease_seconds, run_id, generation, self.holder, now)).rowcount
             if changed != 1:
-                raise Superseded(run_id)
-            self.db.executemany("INSERT INTO agent_loop_records VALUES (?, ?, ?) ON CONFLICT (run_id, round) "
-                                "DO UPDATE SET body = excluded.body",
-                                [(run_id, record["round"], json.dumps(record, ensure_ascii=False))
-                                 for record in records])
-            (last,) = self.db.execute("SELECT MAX(seq) FROM agent_loop_events WHERE run_id = ?", (run_id,)).fetchone()
+                raise self._fenced(run_id, generation, now) or Superseded(run_id, "lease_expired")
+            self.db.cursor().executemany(
+                "INSERT INTO agent_loop_records VALUES (?, ?, ?) ON CONFLICT (run_id, round) DO UPDATE SET body = "
+                "excluded.body".replace("?", self.dialect["mark"]),
+                [(run_id, record["round"], json.dumps(record, ensure_ascii=False)) for record in records])
+            (last,) = self._sql("SELECT MAX(seq) FROM agent_loop_events WHERE run_id = ?", (run_id,)).fetchone()
             first = 0 if last is None else last + 1
-            self.db.executemany("INSERT INTO agent_loop_events VALUES (?, ?, ?)",
-                                [(run_id, first + n, json.dumps(event, ensure_ascii=False))
-                                 for n, event in enumerate(events)])
+            self.db.cursor().executemany(
+                "INSERT INTO agent_loop_events VALUES (?, ?, ?)".replace("?", self.dialect["mark"]),
+                [(run_id, first + n, json.dumps(event, ensure_ascii=False)) for n, event in enumerate(events)])
 
     def unfinished(self):
-        """The ids of the runs that have not ended, oldest first."""
-        return [run_id for run_id, in self.db.execute("SELECT run_id FROM agent_loop_runs WHERE status IS NULL "
-                                                      "ORDER BY started, run_id")]
+        """The ids of the runs that have not ended, oldest first (those added and not started too)."""
+        return [run_id for run_id, in self._sql("SELECT run_id FROM agent_loop_runs WHERE status IS NULL "
+                                                "ORDER BY added, run_id")]
 
     def close(self):
-        """Close the database."""
-        self.db.close()
+        """Close the connection, if the store made it."""
+        if self.made:
+            self.db.close()
 
     def __enter__(self):
         return self
@@ -2944,18 +3105,73 @@ class SqliteStore(Store):
         self.close()
 
 
+def _driver_of(connection):
+    """The name of the driver whose connection this is, if _DIALECTS knows it."""
+    driver = type(connection).__module__.partition(".")[0]
+    return driver if driver in _DIALECTS and driver in sys.modules else None
+
+
+# Where SQLite and PostgreSQL differ, all in one place: the rest of the store's SQL runs on both as it is.
+_DIALECTS = {
+    "sqlite3": {
+        "mark": "?",  # a parameter's placeholder
+        "autocommit": lambda db: db.isolation_level is None and getattr(db, "autocommit", None) is not False,
+        "setup": ("PRAGMA journal_mode=WAL", "PRAGMA synchronous=FULL"),  # a save has reached the disk
+        "tables": "SELECT name FROM sqlite_master WHERE type = 'table'",
+        "begin": "BEGIN IMMEDIATE",  # one writer at a time, from the transaction's start: claims never interleave
+        "alone": None,  # the tables are made under that same lock
+        "lock": "",  # nothing more: the transaction holds the whole database
+        "skip_locked": "",
+    },
+    "psycopg": {
+        "mark": "%s",
+        "autocommit": lambda db: db.autocommit is True,
+        "setup": (),
+        "tables": "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()",
+        "begin": "BEGIN",  # READ COMMITTED: a statement waits for the rows another transaction has locked
+        "alone": "SELECT pg_advisory_xact_lock(4807)",  # two processes making the tables at once would collide
+        "lock": " FOR UPDATE",  # the run's row locked until the claim commits
+        "skip_locked": " FOR UPDATE SKIP LOCKED",  # a run another claim has locked is not this claim's
+    },
+}
+
+
+class SqliteStore(SqlStore):
+    """A store in an SQLite file of its own (or ":memory:", for tests), opened on the standard library's sqlite3: a
+    file whose tables are another program's is refused. The workers that share it share one machine (the write-ahead
+    log needs that). Close it when done, or use it in a with block."""
+
+    def __init__(self, path, lease_seconds=30.0, clock=time.time):
+        self.path = self._name = path
+        try:
+            db = sqlite3.connect(path, isolation_level=None, timeout=5)  # autocommit: the transactions are ours
+        except sqlite3.Error:
+            raise ValueError(f"{path}: cannot open it as a store") from None
+        try:
+            tables = {name for name, in db.execute(_DIALECTS["sqlite3"]["tables"])}
+        except sqlite3.DatabaseError:
+            tables = None
+        if tables is None or tables and "agent_loop_meta" not in tables:
+            db.close()
+            raise ValueError(f"{path}: not a store" + (" (its tables are another program's)" if tables else ""))
+        super().__init__(lambda: db, lease_seconds, clock)
+
+
 _NOTHING_USED = {"rounds": 0, "calls": 0, "credits": 0}
+_NOTHING_SAVED = {"used": _NOTHING_USED, "paused": 0.0, "paused_at": None, "asked_at": None}  # a run's state, new
 _STORE_TABLES = """
 CREATE TABLE IF NOT EXISTS agent_loop_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS agent_loop_runs (run_id TEXT PRIMARY KEY, generation INTEGER NOT NULL,
-    config TEXT NOT NULL, started REAL NOT NULL, state TEXT NOT NULL, status TEXT, answer TEXT);
+    added DOUBLE PRECISION NOT NULL, config TEXT, started DOUBLE PRECISION, state TEXT, status TEXT, answer TEXT,
+    holder TEXT, lease_until DOUBLE PRECISION, waiting INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS agent_loop_records (run_id TEXT NOT NULL, round INTEGER NOT NULL, body TEXT NOT NULL,
     PRIMARY KEY (run_id, round));
 CREATE TABLE IF NOT EXISTS agent_loop_events (run_id TEXT NOT NULL, seq INTEGER NOT NULL, body TEXT NOT NULL,
     PRIMARY KEY (run_id, seq));
 """
-_STORE_COLUMNS = ("run_id, generation, config, started, state, status, answer FROM agent_loop_runs",
-                  "run_id, round, body FROM agent_loop_records", "run_id, seq, body FROM agent_loop_events")
+_STORE_COLUMNS = ("run_id, generation, added, config, started, state, status, answer, holder, lease_until, waiting "
+                  "FROM agent_loop_runs", "run_id, round, body FROM agent_loop_records",
+                  "run_id, seq, body FROM agent_loop_events")
 
 
 class _Held(Fixtures):
@@ -3041,33 +3257,40 @@ ATLAS += (
 )
 
 
-async def _store_cost(quick):
-    """Milliseconds the store's saves take per round once history holds n rounds (the journal's own time)."""
+def _sqlite_place(folder):
+    """A function that connects to a new SQLite file in folder: a fresh database for one measurement."""
+    return partial(sqlite3.connect, os.path.join(folder, os.urandom(8).hex() + ".db"), isolation_level=None,
+                   timeout=60)
+
+
+async def _store_cost(quick, place=None):
+    """Milliseconds the store's saves take per round once history holds n rounds (the journal's own time), each n in
+    a fresh database: place() gives a function that connects to one (a new SQLite file by default)."""
     figures, samples = {}, 5 if quick else 20
-    for n in (10, 100) if quick else (10, 100, 1000):
-        spent = []
+    with tempfile.TemporaryDirectory() as folder:
+        for n in (10, 100) if quick else (10, 100, 1000):
+            spent = []
 
-        class Timed(SqliteStore):
-            def save(self, *args, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return super().save(*args, **kwargs)
-                finally:
-                    spent.append(time.perf_counter() - start)
+            class Timed(SqlStore):
+                def save(self, *args, **kwargs):
+                    start = time.perf_counter()
+                    try:
+                        return super().save(*args, **kwargs)
+                    finally:
+                        spent.append(time.perf_counter() - start)
 
-        with tempfile.TemporaryDirectory() as folder, Timed(os.path.join(folder, "runs.db")) as store:
-            rounds = n + samples
-            tools = FunctionTools(_BENCH_FUNCTIONS)
-            await run_agent(_batches("tick", 1), store=store, run_id="bench", fixtures=tools,
-                            registry=_bench_registry(), accept=_accepts_nothing, limits=_roomy(rounds, rounds))
-        per_round = [sum(spent[3 * r:3 * r + 3]) for r in range(n, rounds)]  # a round saves 3 times
-        figures[str(n)] = _spread(per_round, 1e3)
+            with Timed((place or partial(_sqlite_place, folder))()) as store:
+                rounds = n + samples
+                tools = FunctionTools(_BENCH_FUNCTIONS)
+                await run_agent(_batches("tick", 1), store=store, run_id="bench", fixtures=tools,
+                                registry=_bench_registry(), accept=_accepts_nothing, limits=_roomy(rounds, rounds))
+            per_round = [sum(spent[3 * r:3 * r + 3]) for r in range(n, rounds)]  # a round saves 3 times
+            figures[str(n)] = _spread(per_round, 1e3)
     return figures
 
 
-def _show_store_cost(number, figures, cell):
-    print(f"\n{number}. The store (SQLite, synchronous=FULL): milliseconds of saving per round once history holds "
-          "n rounds")
+def _show_store_cost(number, figures, cell, where="SQLite, synchronous=FULL"):
+    print(f"\n{number}. The store ({where}): milliseconds of saving per round once history holds n rounds")
     for n, spread in figures.items():
         print(f"   n={n:<5} per round {cell(**spread)}")
 
@@ -3086,9 +3309,10 @@ DECISIONS = ("approve", "reject")
 NOT_APPLIED = ("tool_error", "temporary", "permission_denied")  # a write whose tool raised these did not apply
 
 
-def idempotency_key(run_id, call_id):
-    """The key of a write: one per run and call id, the same across retries, resumes and processes."""
-    return hashlib.sha256(canonical([run_id, call_id]).encode()).hexdigest()
+def idempotency_key(run_id, call_id, store_id=""):
+    """The key of a write: one per store, run and call id, the same across retries, resumes and processes (a run of
+    the same name in another store has keys of its own)."""
+    return hashlib.sha256(canonical([store_id, run_id, call_id]).encode()).hexdigest()
 
 
 class _WriteJournal(_Journal):
@@ -3100,18 +3324,24 @@ class _WriteJournal(_Journal):
     call is observed "rejected" (retryable, saying which write was), nothing starts, and the model decides again. A
     write that is asked about pauses the run before anything of its batch starts: awaiting_approval, with
     result["pending"]. The same call later with decisions={call_id: "approve" or "reject"} goes on with the calls
-    as saved; decisions are kept until every pending write has one; a decision for a call that is not pending is a
-    ValueError; a call made more than Limits.approval_seconds after the pause began ends the run approval_expired,
-    and nothing of the batch starts. The time paused is no time of the run's.
+    as saved; decisions are kept until every pending write has one; a decision for a call that is not pending (or no
+    longer: checked again once the run is claimed) is a ValueError, unless it is the one already saved; a call made
+    more than Limits.approval_seconds after the write was first asked about ends the run approval_expired, and
+    nothing of the batch starts. The time paused is no time of the run's. decisions={} is no decision.
 
     A batch with a write runs serially. Each write is saved as started (consuming its approval) before its tool gets
-    it, with its idempotency_key as a fourth key, and its observation is saved when it returns. A write whose tool
-    raised ToolError, TemporaryError or PermissionError did not apply; one that timed out, was cut by the deadline
-    or a cancel, raised anything else, or was found started and not finished after a crash, has an unknown outcome.
-    The tools object's reconcile(call) is then awaited, bounded like a call: {"applied": true, "data": ...} is a
-    success marked "reconciled"; {"applied": false} is not_applied (retryable); anything else leaves it unknown, and
-    the run pauses unknown_outcome, with result["unknown"], nothing after it started. A later call asks reconcile
-    again, with the same key. A write of a crashed batch that had not started is interrupted, as a read is."""
+    it, with its idempotency_key as a fourth key, and its observation is saved when it returns; a store that cannot
+    save it stops the run store_failed before the tool has it. A write whose tool raised ToolError, TemporaryError
+    or PermissionError did not apply; one that timed out, was cut by the deadline or a cancel, raised anything
+    else, or was found started and not finished after a crash, has an unknown outcome. The tools object's
+    reconcile(call) is then awaited, bounded like a call: {"applied": true, "data": plain data} is a success marked
+    "reconciled"; {"applied": false} is not_applied (retryable), and must stay true: a request with that key still
+    on its way must never apply (OrderDesk refuses it; FunctionTools does not ask while the write's thread runs);
+    anything else leaves it unknown. A run with an unknown write pauses, whatever stopped it (unknown_outcome, or
+    the cancel or deadline that cut it), with result["unknown"], and nothing after it in its batch starts. A later
+    call asks reconcile again, with the same key, bounded by tool_seconds even past the deadline; once it is
+    settled, the rest of its batch runs. A write of a crashed batch that had not started is interrupted, as a read
+    is."""
 
     def __init__(self, store, run_id, registry, limits, tools=None, approve=None, decisions=None):
         if approve is not None and not _plain_function(approve):
@@ -3122,35 +3352,48 @@ class _WriteJournal(_Journal):
             raise ValueError("decisions must be a dict of call ids to 'approve' or 'reject'")
         self.approve, self.decisions, self.tools = approve, dict(decisions or {}), tools  # (tools: read in _check)
         self.writes = {name for name, spec in registry.items() if not spec.read_only}
-        self.pending = []
+        self.pending, self.given = [], set()  # given: the writes this process handed to their tool
+        self.store_id = getattr(store, "store_id", "")
+        self.store_id = self.store_id if type(self.store_id) is str else ""
         super().__init__(store, run_id, registry, limits, tools)
         trace = self.saved["trace"] if self.saved else []
-        self.written = {event["call_id"] for event in trace if event["event"] == "write"}  # written ahead: started
+        self.written = {event["call_id"] for event in trace if event["event"] == "write"}  # saved as started
         self.verdicts = {event["call_id"]: event["decision"] for event in trace if event["event"] == "approval"}
-        self.on = approve is not None or decisions is not None or bool(self.verdicts)  # a run with writes
-        self.expired = self._paused_for_approval() and time.time() - self.pause_began > limits.approval_seconds
+        self.on = approve is not None or bool(decisions) or bool(self.verdicts)  # a run with writes
+        if self._paused_for_approval():  # asked about before: its clock runs from the first time it was asked
+            self.asked_at = self.saved["state"]["asked_at"] or self.pause_began
+        self.expired = self.asked_at is not None and time.time() - self.asked_at > limits.approval_seconds
+
+    @staticmethod
+    def _paused_for_approval_in(saved):
+        """True if the run, as saved, waits for decisions on its last batch's writes: it stopped for them, and no
+        write of the batch has been saved as started since (a crash may have come in between)."""
+        if not saved or not saved["history"] or saved["history"][-1]["observations"]:
+            return False
+        stops = [index for index, event in enumerate(saved["trace"]) if event["event"] == "stop"]
+        return bool(stops) and saved["trace"][stops[-1]].get("status") == "awaiting_approval" and not any(
+            event["event"] == "write" for event in saved["trace"][stops[-1]:])
 
     def _paused_for_approval(self, saved=None):
-        """True if the run stopped, when it was saved, to wait for decisions on its last batch's writes."""
-        saved = saved or self.saved
-        return bool(saved and saved["trace"] and saved["trace"][-1].get("status") == "awaiting_approval"
-                    and saved["history"] and not saved["history"][-1]["observations"])
+        return self._paused_for_approval_in(saved or self.saved)
 
     def _check(self, saved):
         wrote = saved is not None and any(event["event"] == "approval" for event in saved["trace"])
         check = getattr(type(self.tools), "check_writes", None)
         if check is not None and (self.approve is not None or self.decisions or wrote):
             check(self.tools, sorted(self.writes))
-        pending = self._pending_of(saved) if saved is not None and self._paused_for_approval(saved) else set()
-        for cid in self.decisions:
-            if cid not in pending:
+        paused = saved is not None and self._paused_for_approval(saved)
+        decided = self._decided(saved) if paused else {}
+        pending = {item["call_id"] for item in saved["history"][-1]["calls"]
+                   if item["name"] in self.writes and item["call_id"] not in decided} if paused else set()
+        for cid, verdict in self.decisions.items():
+            if cid not in pending and decided.get(cid) != verdict:  # (given again as it was saved: nothing new)
                 raise ValueError(f"{cid}: not a write awaiting a decision in this run")
 
-    def _pending_of(self, saved):
-        decided = {event["call_id"] for event in saved["trace"] if event["event"] == "approval"
-                   and event["decision"] in DECISIONS}
-        return {item["call_id"] for item in saved["history"][-1]["calls"]
-                if item["name"] in self.writes and item["call_id"] not in decided}
+    @staticmethod
+    def _decided(saved):
+        return {event["call_id"]: event["decision"] for event in saved["trace"]
+                if event["event"] == "approval" and event["decision"] in DECISIONS}
 
     def admitted(self, registry):
         if not self.on:  # no approve, no decisions, no write decided before: a write is refused, as in the article
@@ -3168,14 +3411,19 @@ class _WriteJournal(_Journal):
         return {**names, "unknown": unknown} if unknown else names
 
     def _call(self, item):
-        """A write as the gate, the tool and reconcile see it: the call and its idempotency_key."""
-        return {**_copy(item), "idempotency_key": idempotency_key(self.run_id, item["call_id"])}
+        """A write as the gate, the tool and reconcile see it: a copy of the call, and its idempotency_key."""
+        return {**_copy(item), "idempotency_key": idempotency_key(self.run_id, item["call_id"], self.store_id)}
 
     def handed(self, item):
-        return self._call(item) if item["name"] in self.writes else _copy(item)
+        if item["name"] not in self.writes:
+            return _copy(item)
+        self.given.add(item["call_id"])
+        return self._call(item)
 
-    def _ends(self, status):
-        return status not in PAUSES
+    def _ends(self, result):
+        """A run pauses for a decision, or while a write's outcome is unknown, whatever stopped it: a cancel or the
+        deadline that cut a write ends the run only once a later call has settled the write."""
+        return result["status"] not in PAUSES and "unknown" not in result
 
     def _cut(self, record):
         return not self._paused_for_approval() and super()._cut(record)
@@ -3189,9 +3437,8 @@ class _WriteJournal(_Journal):
         await super().started(item)
         if item["name"] in self.writes:  # written ahead: saved as started, its approval used, before the tool has it
             used, history, _ = self.state
-            self.written.add(item["call_id"])
             await self.emit({"event": "write", "round": history[-1]["round"], "call_id": item["call_id"],
-                             "idempotency_key": idempotency_key(self.run_id, item["call_id"]), **used})
+                             "idempotency_key": self._call(item)["idempotency_key"], **used})
 
     async def resume(self, used, history, trace, used_ids, attempts, emit, act, wait):
         self.emit = emit
@@ -3201,11 +3448,20 @@ class _WriteJournal(_Journal):
         if self._paused_for_approval():  # the batch that waited for decisions: its gate again, then the batch
             await act(record, False)
             return
-        for index, (item, obs) in enumerate(zip(record["calls"], record["observations"])):
-            if obs.get("error") == "unknown_outcome":  # asked again, with the same key
-                record["observations"][index] = known = await self._reconciled(item, wait)
+        done = record["observations"]
+        for index, (item, obs) in enumerate(zip(record["calls"], done)):
+            if obs.get("error") == "unknown_outcome":  # asked again, with the same key, even past the deadline
+                done[index] = known = await self._reconciled(item, self._settling)
                 await emit({"event": "reconciled", "round": record["round"], "call_id": item["call_id"],
                             "outcome": "applied" if known["ok"] else known["error"], **used})
+        aborted = [index for index, obs in enumerate(done) if obs.get("error") == "batch_aborted"]
+        if aborted and all(obs["ok"] or obs["retryable"] for obs in done[:aborted[0]]):
+            del done[aborted[0]:]  # settled: the calls that never started after it run now
+            await act(record, False)
+
+    async def _settling(self, factory):
+        """The wait of a reconcile that settles a write before the run goes on: tool_seconds, whatever time is left."""
+        return await asyncio.wait_for(_await(factory), self.limits.tool_seconds)
 
     async def run_batch(self, batch, parallel, observe, wait):
         writes = [item for item in batch if item["name"] in self.writes]
@@ -3222,9 +3478,10 @@ class _WriteJournal(_Journal):
                              else f"another call of the batch was rejected: {rejected[0]}") for item in batch]
         self.pending = [self._call(item) for item in writes if verdicts[item["call_id"]] == "ask"]
         if self.pending:
+            self.asked_at = self.asked_at or time.time()
             raise Stop("awaiting_approval", reason="a write awaits a decision")
-        done = record["observations"]
-        for item in batch:  # one by one: a write's outcome is known, or the run pauses, before the next starts
+        self.asked_at, done = None, record["observations"]
+        for item in batch[len(done):]:  # one by one: a write's outcome is known, or the run pauses, before the next
             fatal = done and not done[-1]["ok"] and not done[-1]["retryable"]
             done.append(_failure(item, "batch_aborted", False) if fatal else await self._observed(item, observe, wait))
             self.save()  # each observation as soon as it is known
@@ -3245,9 +3502,9 @@ class _WriteJournal(_Journal):
         return self.verdicts[cid]
 
     async def _observed(self, item, observe, wait):
-        """A call's observation; a write handed over whose tool said nothing of its fate is reconciled."""
+        """A call's observation; a write handed to its tool that said nothing of its fate is reconciled."""
         obs = await observe(item)
-        if item["call_id"] in self.written and not obs["ok"] and obs["error"] not in NOT_APPLIED:
+        if item["call_id"] in self.given and not obs["ok"] and obs["error"] not in NOT_APPLIED:
             return await self._reconciled(item, wait)
         return obs
 
@@ -3257,9 +3514,10 @@ class _WriteJournal(_Journal):
         if callable(reconcile):
             call = self._call(item)
             try:
-                said = _snapshot(await wait(lambda: reconcile(call)))
+                said = await wait(lambda: reconcile(call))
             except Exception:  # it raised, hung past tool_seconds, or the run was cut: nothing is known
                 said = None
+            said = _copy(said) if _is_data(said) else _discard(said)  # what is not plain data says nothing
         if type(said) is dict and said.get("applied") is True and said.keys() <= {"applied", "data"} and \
                 _is_data(said.get("data")):
             return {**_copy(item), "ok": True, "data": said.get("data"), "reconciled": True}
@@ -3298,11 +3556,13 @@ ORDER_TOOLS = {**TOOLS, "place_order": ToolSpec(
 @dataclass
 class OrderDesk(Fixtures):
     """The inventory's tools and its write: place_order applies an order once per idempotency key, whatever calls
-    it again, and reconcile says whether a key's order applied. Faults: "temporary" (nothing placed), "timeout"
-    (it hangs before it places anything) and "timeout_after_apply" (it places the order, then never answers)."""
+    it again, and reconcile says whether a key's order applied; once it has said no, that key never applies (a
+    late call with it is refused), so that the no stays true. Faults: "temporary" (nothing placed), "timeout" (it
+    hangs before it places anything) and "timeout_after_apply" (it places the order, then never answers)."""
 
     orders: dict = field(default_factory=dict)  # idempotency key -> the order placed
     effects: list = field(default_factory=list)  # each key once per time an order applied: a key twice is a bug
+    voided: set = field(default_factory=set)  # keys reconcile said did not apply
 
     async def invoke(self, call):
         """Read, plan, or place the order."""
@@ -3318,6 +3578,8 @@ class OrderDesk(Fixtures):
                 raise TemporaryError("private detail: the desk was busy, nothing placed")
             if fault == "timeout":
                 await asyncio.sleep(10)  # it hangs before it places anything
+            if key in self.voided:
+                raise ToolError("this order was reconciled as not placed")
             if key not in self.orders:
                 self.orders[key] = {"order": f"PO-{len(self.orders) + 1}", "items": call["arguments"]["items"]}
                 self.effects.append(key)
@@ -3330,6 +3592,8 @@ class OrderDesk(Fixtures):
     async def reconcile(self, call):
         """Whether the order of this call's idempotency key was placed."""
         order = self.orders.get(call["idempotency_key"])
+        if order is None:
+            self.voided.add(call["idempotency_key"])  # said no: a call with this key still on its way is refused
         return {"applied": True, "data": _copy(order)} if order else {"applied": False}
 
 
@@ -3398,6 +3662,97 @@ ATLAS += (
     ("unknown_outcome", "the order timed out after it applied and reconcile could not tell: the run paused",
      {"run": _unsure}),
 )
+
+
+# PART 15: many workers, one database: runs leased to a pool of processes, on SQLite or on PostgreSQL
+#
+# A worker is a loop over the store's queue (SqlStore, PART 13): claim the next run, run it, repeat. Start as many
+# as you like, on one machine (SQLite) or on several (PostgreSQL): a run is one worker's at a time, and a worker
+# that dies holds its run only until its lease runs out.
+
+BENCH_POSTGRES = []  # a place() for bench's PostgreSQL figures: `python3 test_agent_loop.py bench` gives one
+
+
+async def _tick_once(history):
+    """The pool's trivial task: one instant call, then an answer."""
+    return {"kind": "final", "answer": "ticked"} if history else {"kind": "calls", "calls": [call("t1", "tick", n=1)]}
+
+
+def _accepts_anything(answer, history):
+    return True
+
+
+def _pool_worker(connect, ready, go):
+    """One process of bench's pool: claim the next run, run it, repeat, until no run is left."""
+    async def work():
+        with SqlStore(connect) as store:
+            ready.release()
+            go.wait()
+            while (run_id := store.claim_next()) is not None:
+                await run_agent(_tick_once, store=store, run_id=run_id, fixtures=FunctionTools(_BENCH_FUNCTIONS),
+                                registry=_bench_registry(), accept=_accepts_anything, limits=_roomy(2, 1))
+    asyncio.run(work())
+
+
+def _pool_rate(place, workers, runs):
+    """Runs per second of `workers` processes sharing a fresh database of place() over `runs` runs."""
+    connect = place()
+    with SqlStore(connect) as store:
+        for number in range(runs):
+            store.add(f"run-{number:04}")
+    spawn = multiprocessing.get_context("spawn")  # a process of its own, whatever the caller's threads and loop
+    ready, go = spawn.Semaphore(0), spawn.Event()
+    pool = [spawn.Process(target=_pool_worker, args=(connect, ready, go), daemon=True) for _ in range(workers)]
+    try:
+        for process in pool:
+            process.start()
+        if not all(ready.acquire(timeout=120) for _ in pool):
+            raise RuntimeError("a worker of the pool did not start")
+        start = time.perf_counter()  # every worker is up: what is timed is the runs, not the processes starting
+        go.set()
+        for process in pool:
+            process.join(600)
+        spent = time.perf_counter() - start
+    finally:
+        for process in pool:
+            process.kill()
+    with SqlStore(connect) as store:
+        if store.unfinished():
+            raise RuntimeError("the pool left runs unfinished")
+    return runs / spent
+
+
+async def _pool_throughput(quick):
+    (repeats, runs), figures = (1, 24) if quick else (3, 96), {}
+    with tempfile.TemporaryDirectory() as folder:
+        places = {"SQLite": partial(_sqlite_place, folder), **({"PostgreSQL": BENCH_POSTGRES[0]} if BENCH_POSTGRES
+                                                                else {})}
+        for where, place in places.items():
+            figures[where] = {str(k): _spread([_pool_rate(place, k, runs) for _ in range(repeats)]) for k in (1, 2, 4)}
+    return figures
+
+
+def _show_pool(number, figures, cell):
+    print(f"\n{number}. A pool of worker processes sharing one database: runs per second of a trivial task (one "
+          f"instant call, then the answer), by number of workers")
+    for where, rows in figures.items():
+        print(f"   {where:<10}  " + "  ".join(f"{k}: {cell(**spread)}" for k, spread in rows.items()))
+
+
+async def _postgres_store_cost(quick):
+    return await _store_cost(quick, BENCH_POSTGRES[0]) if BENCH_POSTGRES else None
+
+
+def _show_postgres_store_cost(number, figures, cell):
+    if figures is None:
+        print(f"\n{number}. The store on PostgreSQL: not measured here (python3 test_agent_loop.py bench starts a "
+              "server of its own, and measures it)")
+        return
+    _show_store_cost(number, figures, cell, "PostgreSQL, synchronous_commit=on")
+
+
+BENCH_PARTS.extend([("postgres_store_ms", _postgres_store_cost, _show_postgres_store_cost),
+                    ("pool_runs_per_second", _pool_throughput, _show_pool)])
 
 
 if __name__ == "__main__":

@@ -10,11 +10,15 @@ import contextvars
 import collections
 import copy
 import dataclasses
+import datetime
+import decimal
 import functools
 import gc
+import glob
 import http.server
 import inspect
 import io
+import itertools
 import logging
 import json
 import math
@@ -24,6 +28,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -31,6 +36,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import types
 import unicodedata
 import unittest
 import unittest.mock
@@ -2891,10 +2897,21 @@ def start_the_core_alone():
                                                                stderr=subprocess.STDOUT, text=True))
 
 
+QUICK_BENCH = {}  # the quick bench's run, started when the whole suite loads: it is mostly waits
+
+
+def start_the_quick_bench():
+    flags = ["-O"] if sys.flags.optimize else []
+    command = [sys.executable, *flags, os.path.join(HERE, "agent_loop.py"), "bench", "--quick", "--json"]
+    QUICK_BENCH["process"] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def load_tests(loader, tests, pattern):
-    """The whole suite, loaded: start the core's own run now, so that it overlaps the others."""
+    """The whole suite, loaded: start the core's own run and the quick bench now, so that they overlap the others."""
     if not CORE_ALONE:
         start_the_core_alone()
+    if not QUICK_BENCH:
+        start_the_quick_bench()
     return tests
 
 
@@ -3502,9 +3519,11 @@ class BenchTests(unittest.TestCase):
             self.assertIn(f"    {command} ", done.stdout)
 
     def test_the_quick_bench_prints_every_figure_positive_and_finite(self):
-        done = run_command("bench", "--quick", "--json")
-        self.assertEqual((done.returncode, done.stderr), (0, ""))
-        figures = json.loads(done.stdout)
+        if not QUICK_BENCH:  # this test run alone, by name
+            start_the_quick_bench()
+        stdout, stderr = QUICK_BENCH["process"].communicate(timeout=600)
+        self.assertEqual((QUICK_BENCH["process"].returncode, stderr), (0, ""))
+        figures = json.loads(stdout)
         self.assertEqual(list(figures)[:7], ["python", "cores", "repeats", "parallel_efficiency", "overhead",
                                              "limit_overshoot", "growth"])  # then what later parts measure
         self.assertEqual(list(figures)[7:], [name for name, _, _ in agent_loop.BENCH_PARTS])
@@ -3518,6 +3537,11 @@ class BenchTests(unittest.TestCase):
         # Differences of two times (a further call, the time past a limit) may come out below zero on a busy machine.
         differences = [figures["overhead"]["call_us"], *figures["limit_overshoot"].values()]
         self.assertEqual(len(durations + differences), 6 + 2 + 2 + 2 * len(figures["growth"]))
+        pool, saving = figures["pool_runs_per_second"], figures["store_ms"]
+        self.assertEqual(({where: sorted(rows) for where, rows in pool.items()}, sorted(saving)),
+                         ({"SQLite": ["1", "2", "4"]}, ["10", "100"]))
+        self.assertIsNone(figures["postgres_store_ms"])  # measured by python3 test_agent_loop.py bench
+        durations += [*pool["SQLite"].values(), *saving.values()]
         for positive, spreads in ((True, durations), (False, differences)):
             for spread in spreads:
                 self.assertEqual(sorted(spread), ["max", "median", "min"])
@@ -5999,11 +6023,11 @@ class SavedRunTests(RuntimeTestCase):
                     target.commit()
                 self.assertGreater(changed, 0)
                 tampered = self.store(copy_path)
-                generation = tampered.claimed("job")
+                generation = tampered.load("job")["generation"]
                 with self.assertRaises(ValueError) as raised:
                     await run_agent(store=tampered, run_id="job", limits=limits, on_refused="observe")
                 self.assertEqual(str(raised.exception), "job: what the store holds for it is not a run this version saved")
-                self.assertEqual(tampered.claimed("job"), generation)
+                self.assertEqual(tampered.load("job")["generation"], generation)
                 tampered.close()
                 os.remove(copy_path)
 
@@ -6074,7 +6098,7 @@ class SavedRunTests(RuntimeTestCase):
                                      "paused_at": None}, [], [])
         other = self.store(store.path)
         other.claim("job", "{}", time.time())  # a write lock left behind would make this wait, then fail
-        self.assertEqual(other.claimed("job"), 1)
+        other.claimed("job", 1)  # held under generation 1: nothing raised
 
     def test_claims_at_the_same_instant_from_several_processes_get_distinct_generations(self):
         path = os.path.join(self.folder(), "runs.db")
@@ -6218,7 +6242,7 @@ class WriteTests(RuntimeTestCase):
         (pending,) = paused["pending"]
         self.assertEqual((paused["status"], desk.started, store.unfinished()),
                          ("awaiting_approval", ["r1-north", "r1-south", "r2-plan"], ["order"]))
-        self.assertEqual(pending["idempotency_key"], agent_loop.idempotency_key("order", "r3-order"))
+        self.assertEqual(pending["idempotency_key"], agent_loop.idempotency_key("order", "r3-order", store.store_id))
         self.assertEqual(pending["arguments"], {"items": PLAN["items"]})
         later = agent_loop.OrderDesk(delays={})
         done = await self.order(store, later, decisions={"r3-order": "approve"})
@@ -6302,12 +6326,15 @@ class WriteTests(RuntimeTestCase):
 
         registry = {"place": ToolSpec(1, False, False, parameters=agent_loop._closed(items={"type": "array"}))}
         model = scripted(calls(call("w1", "place", items=[1])), final("placed"))
+        store, other = self.store(), self.store()
         result = await run_agent(model, registry=registry, fixtures=agent_loop.FunctionTools({"place": place}),
-                                 accept=lambda answer, history: True, store=self.store(), run_id="job",
+                                 accept=lambda answer, history: True, store=store, run_id="job",
                                  approve=lambda write: "approve", limits=ROOMY)
-        self.assertEqual((result["status"], keys), ("completed", [agent_loop.idempotency_key("job", "w1")]))
-        self.assertEqual(agent_loop.idempotency_key("job", "w1"), agent_loop.idempotency_key("job", "w1"))
+        key = agent_loop.idempotency_key("job", "w1", store.store_id)
+        self.assertEqual((result["status"], keys), ("completed", [key]))
+        self.assertEqual(key, agent_loop.idempotency_key("job", "w1", store.store_id))
         self.assertNotEqual(agent_loop.idempotency_key("job:w", "1"), agent_loop.idempotency_key("job", "w:1"))
+        self.assertNotEqual(key, agent_loop.idempotency_key("job", "w1", other.store_id))  # a run of another store
         await self.assertRefusedBeforeTheModelIsAsked(
             "place: a write function takes the keyword argument idempotency_key", registry=registry,
             fixtures=agent_loop.FunctionTools({"place": lambda items: None}), accept=never_accept,
@@ -6364,7 +6391,7 @@ class WriteTests(RuntimeTestCase):
                          ("unknown_outcome", ["r3-order"]))
         self.assertFalse(agent_loop.order_accepted(PLAN, paused["history"]))  # an unknown write is no evidence
         resumed = await self.order(store, desk, limits=limits)
-        key = agent_loop.idempotency_key("order", "r3-order")
+        key = agent_loop.idempotency_key("order", "r3-order", store.store_id)
         self.assertEqual(desk.asked, [key, key])  # asked again, with the same key
         self.assertEqual(resumed["history"][2]["observations"][0]["reconciled"], True)
         self.assertEqual((resumed["status"], len(desk.effects)), ("completed", 1))  # it applied once, and only once
@@ -6390,6 +6417,227 @@ class WriteTests(RuntimeTestCase):
                 self.assertEqual(asked, [] if fault == "temporary" else ["r3-order"])
                 self.assertEqual((result["status"], len(desk.effects)), ("completed", 1))  # placed later, once
 
+    async def test_a_write_whose_thread_outlives_its_time_is_not_reconciled_until_the_thread_ends(self):
+        release, effects, asked = threading.Event(), [], []
+
+        def place(items, idempotency_key):
+            release.wait(30)  # the request is still on its way when the runtime stops waiting
+            effects.append(idempotency_key)
+            return {"order": "PO-1"}
+
+        def reconcile(call):
+            asked.append(call["call_id"])
+            return {"applied": True, "data": {"order": "PO-1"}} if effects else {"applied": False}
+
+        registry = {"place": ToolSpec(1, False, False, parameters=agent_loop._closed(items={"type": "array"}))}
+        tools, store = agent_loop.FunctionTools({"place": place}, reconcile=reconcile), self.store()
+
+        async def model(history):  # it would place the order again under a new call id, if told it did not apply
+            placed = [obs for record in history for obs in record["observations"] if obs["ok"]]
+            return final("placed") if placed else calls(call(f"w{len(history) + 1}", "place", items=[1]))
+
+        options = dict(registry=registry, fixtures=tools, accept=lambda answer, history: True, store=store,
+                       run_id="job", limits=dataclasses.replace(ROOMY, tool_seconds=0.1))
+        paused = await run_agent(model, approve=lambda write: "approve", **options)
+        self.assertEqual((paused["status"], asked), ("unknown_outcome", []))  # nothing known while the thread runs
+        release.set()
+        self.assertTrue(await tools.wait_abandoned(30))
+        done = await run_agent(model, **options)
+        self.assertEqual((done["status"], asked, len(effects)), ("completed", ["w1"], 1))
+
+    async def test_an_order_reconciled_as_not_placed_is_never_placed_later(self):
+        desk = agent_loop.OrderDesk(delays={})
+        order = {"call_id": "late", "name": "place_order", "arguments": {"items": PLAN["items"]},
+                 "idempotency_key": "k1"}
+        self.assertEqual(await desk.reconcile(order), {"applied": False})
+        with self.assertRaises(agent_loop.ToolError):
+            await desk.invoke(order)  # the request that was still on its way, arriving after the no
+        self.assertEqual((desk.effects, await desk.reconcile(order)), ([], {"applied": False}))
+
+    async def test_decisions_are_checked_again_against_the_run_as_claimed(self):
+        path = os.path.join(tempfile.mkdtemp(prefix="agent_loop_write_"), "runs.db")
+        self.addCleanup(shutil.rmtree, os.path.dirname(path), True)
+        store = self.store(path)
+        await self.order(store, approve=lambda write: "ask")
+
+        class Late(agent_loop.SqliteStore):  # between its check and its claim, another process started the write
+            def claim(self, run_id, config, started):
+                with contextlib.closing(sqlite3.connect(path)) as other:
+                    (last,) = other.execute("SELECT MAX(seq) FROM agent_loop_events").fetchone()
+                    other.execute("INSERT INTO agent_loop_events VALUES ('order', ?, ?)",
+                                  (last + 1, json.dumps({"event": "write", "round": 3, "call_id": "r3-order"})))
+                    other.commit()
+                return super().claim(run_id, config, started)
+
+        late = Late(path)
+        self.addCleanup(late.close)
+        with self.assertRaises(ValueError) as raised:
+            await self.order(late, decisions={"r3-order": "reject"})
+        self.assertEqual(str(raised.exception), "r3-order: not a write awaiting a decision in this run")
+        row = store._sql("SELECT holder, lease_until FROM agent_loop_runs WHERE run_id = 'order'").fetchone()
+        self.assertEqual(tuple(row), (None, None))  # the claim it made is let go
+
+    async def test_a_store_that_fails_to_save_a_write_as_started_stops_the_run_before_the_tool_has_it(self):
+        class Flaky(agent_loop.SqliteStore):  # it fails once, at the save of the write-ahead record
+            failed = False
+
+            def save(self, run_id, generation, state, records, events, end=None):
+                if not self.failed and any(event["event"] == "write" for event in events):
+                    self.failed = True
+                    raise sqlite3.OperationalError("database is locked")
+                return super().save(run_id, generation, state, records, events, end)
+
+        store, desk = Flaky(":memory:"), agent_loop.OrderDesk(delays={})
+        self.addCleanup(store.close)
+        result = await self.order(store, desk, approve=lambda write: "approve")
+        self.assertEqual((result["status"], result["trace"][-1]["error_type"]), ("store_failed", "OperationalError"))
+        self.assertEqual((desk.started, desk.effects), (["r1-north", "r1-south", "r2-plan"], []))
+
+    async def test_a_write_cut_by_a_cancel_or_the_deadline_pauses_and_a_later_call_settles_it(self):
+        class Desk(agent_loop.OrderDesk):
+            asked = []
+
+            async def reconcile(self, call):
+                self.asked.append(call["call_id"])
+                return await super().reconcile(call)
+
+        for how in ("cancel", "deadline"):
+            with self.subTest(how=how):
+                store, cancel = self.store(), asyncio.Event()
+                desk = Desk(delays={}, failures={"place_order": ["timeout_after_apply"]})
+                desk.asked = []
+                limits = Limits(tool_seconds=5, model_seconds=5, total_seconds=30 if how == "cancel" else 0.3)
+
+                async def cut():
+                    await wait_until(lambda: desk.effects)
+                    if how == "cancel":
+                        cancel.set()
+
+                result, _ = await asyncio.gather(self.order(store, desk, approve=lambda write: "approve",
+                                                            limits=limits, cancel=cancel), cut())
+                self.assertEqual((result["status"], [write["call_id"] for write in result["unknown"]]),
+                                 ("cancelled" if how == "cancel" else "deadline", ["r3-order"]))
+                self.assertEqual((store.unfinished(), desk.asked), (["order"], []))  # paused, not ended
+                again = await self.order(store, desk, limits=limits)
+                self.assertEqual(desk.asked, ["r3-order"])  # settled, even past the deadline
+                self.assertEqual((again["status"], len(desk.effects)), ("completed" if how == "cancel" else "deadline", 1))
+                self.assertEqual(store.unfinished(), [])
+
+    async def test_a_write_whose_watcher_outlasts_the_deadline_never_reaches_its_tool(self):
+        async def watcher(event):
+            if event["event"] == "write":
+                await asyncio.sleep(1)  # the run's whole time, and more
+
+        desk = agent_loop.OrderDesk(delays={})
+        result = await self.order(self.store(), desk, approve=lambda write: "approve", on_event=watcher,
+                                  limits=Limits(tool_seconds=5, model_seconds=5, total_seconds=0.3))
+        self.assertEqual((result["status"], desk.effects), ("deadline", []))
+        self.assertNotIn("r3-order", desk.started)
+
+    async def test_an_unknown_write_holds_back_the_rest_of_its_batch_until_it_is_settled(self):
+        class Unsure(agent_loop.OrderDesk):  # it cannot tell the first time, and can the second
+            answers = [{"applied": "perhaps"}]
+
+            async def reconcile(self, call):
+                return self.answers.pop(0) if self.answers else await super().reconcile(call)
+
+        batch = calls(call("w", "place_order", items=PLAN["items"]), call("r", partition="north"))
+        model, store = scripted(batch, final("done")), self.store()
+        desk = Unsure(delays={}, failures={"place_order": ["timeout_after_apply"]})
+        options = dict(model=model, accept=lambda answer, history: answer == "done",
+                       limits=dataclasses.replace(ROOMY, tool_seconds=0.2))
+        paused = await self.order(store, desk, approve=lambda write: "approve", **options)
+        self.assertEqual((paused["status"], desk.started), ("unknown_outcome", ["w"]))  # the read never started
+        self.assertEqual(order_errors(paused), ["unknown_outcome", "batch_aborted"])
+        done = await self.order(store, desk, **options)
+        self.assertEqual((done["status"], desk.started, order_errors(done)), ("completed", ["w", "r"], []))
+        self.assertEqual((done["used"]["calls"], len(desk.effects)), (2, 1))  # each call charged once
+
+    async def test_a_crash_just_after_a_paused_run_resumed_keeps_it_paused(self):
+        store = self.store()
+        await self.order(store, approve=lambda write: "ask")
+        for stage in ("resumed", "approval"):
+            with self.subTest(stage=stage):
+                async def crash_at(event):
+                    if event["event"] == stage:
+                        await asyncio.sleep(60)  # saved; then the process dies
+
+                task = asyncio.create_task(self.order(store, decisions={"r3-order": "approve"}, on_event=crash_at))
+                await wait_until(lambda: stage in [e["event"] for e in store.load("order")["trace"][-2:]])
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        desk = agent_loop.OrderDesk(delays={})
+        done = await self.order(store, desk, decisions={"r3-order": "approve"})
+        self.assertEqual((done["status"], desk.started, order_errors(done)), ("completed", ["r3-order"], []))
+        self.assertEqual(done["used"], {"rounds": 4, "calls": 4, "credits": 23})  # the order charged once
+
+    async def test_a_plain_reconcile_function_runs_in_a_thread_bounded_by_tool_seconds(self):
+        release = threading.Event()
+        self.addCleanup(release.set)
+
+        def place(items, idempotency_key):
+            raise TimeoutError  # said nothing of its fate: unknown
+
+        def reconcile(call):
+            release.wait(30)  # it blocks: the loop goes on without it
+            return {"applied": False}
+
+        registry = {"place": ToolSpec(1, False, False, parameters=agent_loop._closed(items={"type": "array"}))}
+        result = await run_agent(scripted(calls(call("w", "place", items=[1]))), registry=registry,
+                                 fixtures=agent_loop.FunctionTools({"place": place}, reconcile=reconcile),
+                                 accept=lambda answer, history: True, store=self.store(), run_id="job",
+                                 approve=lambda write: "approve", limits=dataclasses.replace(ROOMY, tool_seconds=0.2))
+        self.assertEqual((result["status"], release.is_set()), ("unknown_outcome", False))
+
+    async def test_the_time_to_decide_counts_from_the_first_ask_whatever_calls_came_between(self):
+        now = [1_000.0]
+        clock = types.SimpleNamespace(time=lambda: now[0], perf_counter=time.perf_counter, monotonic=time.monotonic)
+        store, limits = self.store(), dataclasses.replace(ROOMY, approval_seconds=10)
+        with unittest.mock.patch.object(agent_loop, "time", clock):
+            await self.order(store, approve=lambda write: "ask", limits=limits)
+            now[0] += 6
+            again = await self.order(store, approve=lambda write: "ask", limits=limits)
+            self.assertEqual(again["status"], "awaiting_approval")
+            now[0] += 6  # 12 seconds after the ask, 6 after the last call
+            late = await self.order(store, decisions={"r3-order": "approve"}, limits=limits)
+        self.assertEqual(late["status"], "approval_expired")
+
+    async def test_what_reconcile_says_counts_only_as_plain_data(self):
+        for data in (datetime.datetime(2026, 1, 1), decimal.Decimal("1.5"), object(), (1, 2), math.nan):
+            with self.subTest(data=type(data).__name__):
+                class Odd(agent_loop.OrderDesk):
+                    async def reconcile(self, call):
+                        return {"applied": True, "data": data}
+
+                desk = Odd(delays={}, failures={"place_order": ["timeout_after_apply"]})
+                result = await self.order(self.store(), desk, approve=lambda write: "approve",
+                                          limits=dataclasses.replace(ROOMY, tool_seconds=0.2))
+                self.assertEqual((result["status"], order_errors(result)), ("unknown_outcome", ["unknown_outcome"]))
+
+    async def test_empty_decisions_turn_no_write_on(self):
+        desk = agent_loop.OrderDesk(delays={})
+        result = await self.order(self.store(), desk, decisions={})
+        self.assertEqual((result["status"], desk.effects), ("permission_denied", []))
+
+    async def test_the_policy_is_asked_once_per_write_even_across_calls_and_edits_only_its_copy(self):
+        asked = []
+
+        def policy(write):
+            asked.append(write["call_id"])
+            write["arguments"]["items"] = []  # its own copy: neither history nor the tool sees this
+            write.pop("call_id")
+            return "ask"
+
+        store = self.store()
+        first = await self.order(store, approve=policy)
+        again = await self.order(store, approve=policy)
+        self.assertEqual((first["status"], again["status"], asked), ("awaiting_approval", "awaiting_approval",
+                                                                    ["r3-order"]))
+        self.assertEqual(again["pending"][0]["arguments"], {"items": PLAN["items"]})
+        desk = agent_loop.OrderDesk(delays={})
+        done = await self.order(store, desk, decisions={"r3-order": "approve"})
+        self.assertEqual((done["status"], list(desk.orders.values())[0]["items"]), ("completed", PLAN["items"]))
+
     def test_a_write_killed_after_it_applied_applies_once_after_the_resume(self):
         folder = tempfile.mkdtemp(prefix="agent_loop_write_")
         self.addCleanup(shutil.rmtree, folder, True)
@@ -6397,7 +6645,8 @@ class WriteTests(RuntimeTestCase):
         script = WRITING_RUN.format(here=HERE)
         run_in_a_process(script, store, service, ready, "after_apply", kill_when=ready)
         result = run_in_a_process(script, store, service, ready, "none")
-        key = agent_loop.idempotency_key("order", "r3-order")
+        with agent_loop.SqliteStore(store) as saved:
+            key = agent_loop.idempotency_key("order", "r3-order", saved.store_id)
         with contextlib.closing(sqlite3.connect(service)) as db:
             effects = db.execute("SELECT key FROM effects").fetchall()
             asked = db.execute("SELECT key FROM asked").fetchall()
@@ -6412,6 +6661,362 @@ class WriteTests(RuntimeTestCase):
             with self.subTest(name=name):
                 result, _ = await agent_loop.run_scenario(name)
                 self.assertEqual((result["status"], tuple(result["used"].values())), (name, used))
+
+
+# PART 15: many workers, one database. The PostgreSQL tests start a server of their own: a throwaway cluster in a
+# temporary folder, on a loopback port, run as the postgres user when the tests run as root, always removed.
+def postgres_binaries():
+    """The folder of initdb and pg_ctl, or SkipTest saying what is missing."""
+    try:
+        import psycopg  # noqa: F401  (test-only: the SDK lane installs it)
+    except ImportError:
+        raise unittest.SkipTest("psycopg 3 is not installed (the SDK lane installs it)") from None
+    folders = [os.path.dirname(shutil.which("initdb") or ""), *sorted(glob.glob("/usr/lib/postgresql/*/bin"))[::-1]]
+    for folder in filter(None, folders):
+        if all(os.access(os.path.join(folder, name), os.X_OK) for name in ("initdb", "pg_ctl")):
+            return folder
+    raise unittest.SkipTest("PostgreSQL's initdb and pg_ctl are not installed")
+
+
+class ThrowawayPostgres:
+    """A PostgreSQL server in a folder of its own: started, then stopped and removed, even if the tests are killed
+    (a watchdog process does it when the pipe from this process closes)."""
+
+    def __init__(self, durable=False):
+        binaries = postgres_binaries()
+        self.as_server = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        if self.as_server and not shutil.which("runuser"):
+            raise unittest.SkipTest("running as root without runuser: PostgreSQL will not run as root")
+        self.folder = tempfile.mkdtemp(prefix="agent_loop_pg_")
+        self.pg_ctl, data = os.path.join(binaries, "pg_ctl"), os.path.join(self.folder, "data")
+        stop = [*self.as_server, self.pg_ctl, "stop", "-D", data, "-m", "immediate", "-w"]
+        watchdog = f"import shutil, subprocess, sys; sys.stdin.read(); subprocess.run({stop!r}, capture_output=True); " \
+                   f"shutil.rmtree({self.folder!r}, True)"
+        self.watchdog = subprocess.Popen([sys.executable, "-c", watchdog], stdin=subprocess.PIPE,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            if self.as_server:
+                shutil.chown(self.folder, "postgres", "postgres")
+            self.run(os.path.join(binaries, "initdb"), "-D", data, "-U", "postgres", "--auth=trust", "-E", "UTF8",
+                     "--locale=C", "--no-sync")
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                self.port = probe.getsockname()[1]
+            with open(os.path.join(data, "postgresql.auto.conf"), "w") as conf:
+                conf.write(f"listen_addresses = '127.0.0.1'\nport = {self.port}\nunix_socket_directories = "
+                           f"'{self.folder}'\nmax_connections = 40\n" + ("" if durable else "fsync = off\n"))
+            self.run(self.pg_ctl, "start", "-D", data, "-w", "-t", "60", "-l", os.path.join(self.folder, "log"))
+        except BaseException:
+            self.stop()
+            raise
+        self.conninfo = f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres connect_timeout=10"
+
+    def run(self, *command):
+        subprocess.run([*self.as_server, *command], cwd=self.folder, capture_output=True, check=True, timeout=120)
+
+    def stop(self):
+        self.watchdog.stdin.close()  # the watchdog stops the server and removes the folder
+        self.watchdog.wait(timeout=60)
+
+
+POOL_WORKER = """
+import asyncio, json, sqlite3, sys, time
+sys.path.insert(0, {here!r})
+import agent_loop
+
+kind, where, name, crash = sys.argv[1:5]
+writes = []
+
+
+def connect():
+    if kind == "sqlite":
+        return sqlite3.connect(where, isolation_level=None, timeout=30)
+    import psycopg
+    return psycopg.connect(where, autocommit=True)
+
+
+def say(**line):
+    print(json.dumps({{"worker": name, "at": time.time(), **line}}), flush=True)
+
+
+class Desk(agent_loop.OrderDesk):  # the order service: a table of the same database, every effect of a key a row
+    def sql(self, statement, parameters):
+        cursor = service.cursor()
+        cursor.execute(statement.replace("?", "?" if kind == "sqlite" else "%s"), parameters)
+        return cursor
+
+    async def invoke(self, call):
+        if call["name"] != "place_order":
+            return await super().invoke(call)
+        self.sql("INSERT INTO effects VALUES (?, ?)", (call["idempotency_key"], name))
+        writes.append(call["idempotency_key"])
+        if crash == "after_second_write" and len(writes) == 2:
+            say(applied=call["idempotency_key"])
+            await asyncio.sleep(600)  # applied; the test kills this worker before the write's observation is saved
+        return {{"order": call["idempotency_key"][:8]}}
+
+    async def reconcile(self, call):
+        (count,) = self.sql("SELECT COUNT(*) FROM effects WHERE key = ?", (call["idempotency_key"],)).fetchone()
+        return {{"applied": True, "data": {{"order": call["idempotency_key"][:8]}}}} if count else {{"applied": False}}
+
+
+async def main():
+    with agent_loop.SqlStore(connect, lease_seconds=1.0) as store:
+        while store.unfinished():  # the worker loop of the README, and a wait while every run left is leased
+            run_id = store.claim_next()
+            if run_id is None:
+                await asyncio.sleep(0.05)
+                continue
+            say(claimed=run_id)
+            result = await agent_loop.run_agent(
+                agent_loop.order_model, registry=agent_loop.ORDER_TOOLS, accept=agent_loop.order_accepted,
+                fixtures=Desk(delays={{"north": 0.01, "south": 0.01}}), store=store, run_id=run_id,
+                approve=lambda write: "approve", limits=agent_loop.Limits(tool_seconds=30, total_seconds=120))
+            say(ended=run_id, status=result["status"])
+
+
+service = connect()
+asyncio.run(main())
+"""
+
+
+class LeaseTests(RuntimeTestCase):
+    """PART 15: runs leased to workers: the lease, the queue, fencing, and a pool of processes, here on SQLite."""
+
+    def setUp(self):
+        self.folder = tempfile.mkdtemp(prefix="agent_loop_pool_")
+        self.addCleanup(shutil.rmtree, self.folder, True)
+        self.where = os.path.join(self.folder, "runs.db")
+
+    def connect(self):
+        return sqlite3.connect(self.where, isolation_level=None, timeout=30, check_same_thread=False)
+
+    def store(self, **options):
+        store = agent_loop.SqlStore(self.connect, **options)
+        self.addCleanup(store.close)
+        return store
+
+    def free(self, run_id):
+        """A saved state of nothing used, for a store's own methods."""
+        return {"used": {"rounds": 0, "calls": 0, "credits": 0}, "paused": 0.0, "paused_at": None}
+
+    def test_the_chapters_lease_example_with_a_clock_of_the_tests_own(self):
+        now = [1.0]
+        a, b = (self.store(lease_seconds=2, clock=lambda: now[0]) for _ in "ab")
+        a.add("job")
+        self.assertEqual(a.claim_next(), "job")  # at 1, leased to A until 3
+        self.assertEqual(a.claim("job", "{}", 1.0), 1)  # the run starts under that lease: its generation stays
+        now[0] = 3.0
+        with self.assertRaises(agent_loop.Superseded) as expired:
+            a.save("job", 1, self.free("job"), [], [])
+        self.assertEqual(expired.exception.reason, "lease_expired")  # though nobody has taken the run
+        self.assertEqual(b.claim_next(), "job")  # at 3, B gets the second generation
+        self.assertEqual(b.claim("job", "{}", 1.0), 2)
+        now[0] = 4.0
+        with self.assertRaises(agent_loop.Superseded) as stale:
+            a.save("job", 1, self.free("job"), [], [])
+        self.assertEqual(stale.exception.reason, "stale")
+        b.save("job", 2, self.free("job"), [], [])  # accepted: its lease runs until 6 now
+        self.assertEqual(a.claim_next(), None)
+
+    def test_the_queue_gives_each_free_run_once_oldest_first_and_an_id_added_twice_once(self):
+        now = [100.0]
+        a, b = (self.store(lease_seconds=10, clock=lambda: now[0]) for _ in "ab")
+        for run_id in ("first", "second", "first"):
+            a.add(run_id)
+            now[0] += 1
+        self.assertEqual(a.unfinished(), ["first", "second"])
+        self.assertEqual((a.claim_next(), b.claim_next(), a.claim_next()), ("first", "second", None))
+        now[0] += 10  # both leases ran out: a crash, say
+        self.assertEqual((b.claim_next(), b.claim_next(), a.claim_next()), ("first", "second", None))
+        with self.assertRaises(ValueError):
+            a.add("")
+
+    async def test_a_claimed_run_runs_under_its_lease_and_a_run_by_name_takes_it_over(self):
+        a, b = self.store(), self.store()
+        a.add("job")
+        self.assertEqual(a.claim_next(), "job")
+        result = await run_agent(store=a, run_id="job", limits=ROOMY)
+        self.assertEqual((result["status"], a.load("job")["generation"]), ("completed", 1))
+        self.assertEqual((a.unfinished(), b.claim_next()), ([], None))  # ended: nobody's to claim
+        b.add("other")
+        self.assertEqual(b.claim_next(), "other")
+        taken = await run_agent(store=a, run_id="other", limits=ROOMY)  # by name: taken over at once, B fenced
+        self.assertEqual((taken["status"], a.load("other")["generation"]), ("completed", 2))
+
+    async def test_a_worker_whose_lease_ran_out_is_fenced_says_which_and_starts_nothing_more(self):
+        now = [1.0]
+
+        class Late(Fixtures):  # each read takes longer than the lease, on the store's clock
+            def __init__(self, then):
+                super().__init__(delays={})
+                self.then = then
+
+            async def invoke(self, call):
+                now[0] += 5
+                self.then()
+                return await super().invoke(call)
+
+        cases = {"its lease ran out": lambda b: lambda: None,  # and nobody has taken the run
+                 "another process claimed the run": lambda b: lambda: b.claim("another process claimed the run",
+                                                                              "{}", 0.0)}
+        for reason, then in cases.items():
+            with self.subTest(reason=reason):
+                a, b = (self.store(lease_seconds=2, clock=lambda: now[0]) for _ in "ab")
+                late = Late(then(b))  # A claims the run by name: it holds a lease too
+                result = await run_agent(store=a, run_id=reason, fixtures=late, limits=ROOMY)
+                self.assertEqual((result["status"], result["trace"][-1]["reason"], result["answer"]),
+                                 ("superseded", reason, None))
+                self.assertEqual(late.started, ["r1-north", "r1-south"])  # the plan never started
+
+    async def test_a_run_that_waits_longer_than_its_lease_keeps_it_by_renewing_in_the_background(self):
+        a, b = self.store(lease_seconds=0.6), self.store(lease_seconds=0.6)
+        a.add("job")
+        a.claim_next()
+        waiting, looked = asyncio.Event(), []
+
+        class Slow(Fixtures):
+            async def invoke(self, call):
+                if call["name"] == "compute_plan":
+                    waiting.set()
+                    await asyncio.sleep(1.8)  # three leases long
+                return await super().invoke(call)
+
+        async def other_worker():
+            await waiting.wait()
+            for _ in range(6):
+                await asyncio.sleep(0.25)
+                looked.append(b.claim_next())
+
+        result, _ = await asyncio.gather(run_agent(store=a, run_id="job", fixtures=Slow(delays={}),
+                                                   limits=SLOW_ROOMY), other_worker())
+        self.assertEqual((result["status"], looked), ("completed", [None] * 6))
+
+    async def test_a_renewal_that_fails_stops_its_worker_and_is_not_tried_again(self):
+        renewals = []
+
+        class Failing(agent_loop.SqlStore):
+            def renew(self, run_id, generation):
+                renewals.append(run_id)
+                raise agent_loop.Superseded(run_id, "lease_expired")
+
+        store = Failing(self.connect, lease_seconds=0.3)
+        self.addCleanup(store.close)
+        fixtures = Fixtures(delays={"north": 1.0, "south": 1.0})  # ten renewals long
+        result = await run_agent(store=store, run_id="job", fixtures=fixtures, limits=SLOW_ROOMY)
+        self.assertEqual((result["status"], result["trace"][-1]["reason"], renewals),
+                         ("superseded", "its lease ran out", ["job"]))
+        self.assertEqual((fixtures.started, result["used"]["rounds"]), (["r1-north", "r1-south"], 1))  # not asked again
+
+    async def test_a_paused_run_holds_no_lease_and_a_run_cut_lets_its_lease_go(self):
+        a, b = self.store(), self.store()
+        paused = await run_agent(agent_loop.order_model, registry=agent_loop.ORDER_TOOLS, accept=agent_loop.order_accepted,
+                                 fixtures=agent_loop.OrderDesk(delays={}), store=a, run_id="order",
+                                 approve=lambda write: "ask", limits=ROOMY)
+        self.assertEqual(paused["status"], "awaiting_approval")
+        row = a._sql("SELECT holder, lease_until, waiting FROM agent_loop_runs WHERE run_id = 'order'").fetchone()
+        self.assertEqual((tuple(row), b.claim_next(), b.unfinished()), ((None, None, 1), None, ["order"]))
+        done = await run_agent(agent_loop.order_model, registry=agent_loop.ORDER_TOOLS, accept=agent_loop.order_accepted,
+                               fixtures=agent_loop.OrderDesk(delays={}), store=b, run_id="order",
+                               decisions={"r3-order": "approve"}, limits=ROOMY)
+        self.assertEqual(done["status"], "completed")
+        fixtures = Fixtures(delays={"north": 30})
+        cut = asyncio.create_task(run_agent(store=a, run_id="cut", fixtures=fixtures, limits=SLOW_ROOMY))
+        await wait_until(lambda: fixtures.started)
+        self.assertEqual(b.claim_next(), None)  # held, its lease 30 seconds long
+        cut.cancel()
+        await asyncio.gather(cut, return_exceptions=True)
+        self.assertEqual(b.claim_next(), "cut")  # let go: free at once
+
+    def test_workers_that_claim_at_the_same_instant_on_their_connections_never_get_the_same_run(self):
+        stores = [self.store() for _ in range(4)]
+        for trial in range(10):
+            for n in range(3):
+                stores[0].add(f"t{trial}-{n}")
+            start = threading.Barrier(len(stores))
+
+            def claim(store):
+                start.wait(timeout=30)
+                return store.claim_next()
+
+            with concurrent.futures.ThreadPoolExecutor(len(stores)) as pool:
+                got = list(pool.map(claim, stores))
+            self.assertEqual(sorted(filter(None, got)), [f"t{trial}-{n}" for n in range(3)])
+            self.assertEqual(got.count(None), 1)
+
+    def test_a_pool_of_three_workers_one_killed_mid_write_ends_every_run_once_and_writes_each_once(self):
+        setup = self.connect()
+        setup.cursor().execute("CREATE TABLE effects (key TEXT, worker TEXT)")
+        queue = self.store()
+        runs = [f"run-{n:02}" for n in range(30)]
+        for run_id in runs:
+            queue.add(run_id)
+        script, logs, workers = POOL_WORKER.format(here=HERE), {}, {}
+        kind = "sqlite" if type(setup).__module__ == "sqlite3" else "postgres"
+        for name in ("victim", "one", "two"):
+            logs[name] = open(os.path.join(self.folder, f"{name}.log"), "w+")
+            self.addCleanup(logs[name].close)
+            crash = "after_second_write" if name == "victim" else "no"
+            workers[name] = subprocess.Popen([sys.executable, "-c", script, kind, self.where, name, crash],
+                                             stdout=logs[name], stderr=subprocess.STDOUT)
+            self.addCleanup(workers[name].kill)
+
+        def lines(name):
+            logs[name].seek(0)
+            return [json.loads(line) for line in logs[name].read().splitlines() if line.startswith("{")]
+
+        end = time.monotonic() + 60
+        while not any("applied" in line for line in lines("victim")):
+            self.assertLess(time.monotonic(), end, lines("victim"))
+            time.sleep(0.01)
+        held = [line["claimed"] for line in lines("victim") if "claimed" in line][-1]
+        (lease_until,) = queue._sql("SELECT lease_until FROM agent_loop_runs WHERE run_id = ?", (held,)).fetchone()
+        workers["victim"].kill()  # SIGKILL, with the write applied and its observation not saved
+        killed = time.time()
+        for name in ("one", "two"):
+            self.assertEqual(workers[name].wait(timeout=120), 0, lines(name))
+        self.assertLess(killed, lease_until)  # the victim held a live lease when it died
+        ended = [line for name in logs for line in lines(name) if "ended" in line]
+        self.assertEqual(sorted(line["ended"] for line in ended if line["status"] == "completed"), runs)
+        self.assertEqual([line for line in ended if line["status"] != "completed"], [])
+        taken = [line for name in ("one", "two") for line in lines(name) if line.get("claimed") == held]
+        self.assertEqual(len(taken), 1)
+        self.assertGreaterEqual(taken[0]["at"], lease_until)  # only once the victim's lease ran out
+        keys = collections.Counter(key for key, in setup.cursor().execute("SELECT key FROM effects").fetchall())
+        self.assertEqual(sorted(keys), sorted(agent_loop.idempotency_key(run_id, "r3-order", queue.store_id)
+                                              for run_id in runs))
+        self.assertEqual(set(keys.values()), {1})  # no write applied twice
+        for run_id in runs:
+            saved = queue.load(run_id)
+            ids = [obs["call_id"] for record in saved["history"] for obs in record["observations"]]
+            self.assertEqual((saved["status"], len(ids), [e["event"] for e in saved["trace"]].count("stop")),
+                             ("completed", len(set(ids)), 1))
+        events = [event["event"] for event in queue.load(held)["trace"]]
+        self.assertIn("reconciled", events)  # the write it applied, found applied, not sent again
+        setup.close()
+
+
+class PostgresLeaseTests(LeaseTests):
+    """The same tests on a PostgreSQL server of their own: its concurrency, its SQL, its driver (psycopg 3)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = ThrowawayPostgres()
+        cls.addClassCleanup(cls.server.stop)
+        cls.schemas = 0
+
+    def setUp(self):
+        super().setUp()
+        import psycopg
+        type(self).schemas += 1
+        schema = f"test_{type(self).schemas}"
+        with psycopg.connect(self.server.conninfo, autocommit=True) as admin:
+            admin.execute(f"CREATE SCHEMA {schema}")
+        self.where = f"{self.server.conninfo} options='-c search_path={schema}'"
+
+    def connect(self):
+        import psycopg
+        return psycopg.connect(self.where, autocommit=True)
 
 
 class ReadmeTests(RuntimeTestCase):
@@ -6548,5 +7153,34 @@ class OwnershipTests(unittest.IsolatedAsyncioTestCase):
             result_ownership.DeliveryBoundary(result_ownership.ReusedCache(), "copy_on_write")
 
 
+def postgres_connection(conninfo, schema):
+    """A psycopg connection, in autocommit, whose tables are the schema's: a place for bench's figures."""
+    import psycopg
+    connection = psycopg.connect(conninfo, autocommit=True)
+    connection.execute(f"SET search_path TO {schema}")
+    return connection
+
+
+def bench_beside_postgres(argv):
+    """python3 test_agent_loop.py bench [--quick] [--json]: agent_loop's bench, on a PostgreSQL server of its own
+    too (fsync on, as a server that keeps what it commits), started and removed as the tests' is."""
+    import psycopg
+    server, schemas = ThrowawayPostgres(durable=True), itertools.count()
+
+    def place():
+        schema = f"bench_{next(schemas)}"
+        with psycopg.connect(server.conninfo, autocommit=True) as admin:
+            admin.execute(f"CREATE SCHEMA {schema}")
+        return functools.partial(postgres_connection, server.conninfo, schema)
+
+    try:
+        agent_loop.BENCH_POSTGRES.append(place)
+        return agent_loop.main(["bench", *argv])
+    finally:
+        server.stop()
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["bench"]:
+        raise SystemExit(bench_beside_postgres(sys.argv[2:]))
     unittest.main()
