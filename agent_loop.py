@@ -1328,8 +1328,9 @@ def _start_thread(work):
     threading.Thread(target=work, daemon=True).start()
 
 
-async def _in_thread(function, kwargs, start=_start_thread, on_abandoned=None):
-    """Await function(**kwargs) run in a thread; if we are cancelled after the thread began, it runs on."""
+async def _in_thread(function, kwargs, start=_start_thread, on_abandoned=None, on_started=None):
+    """Await function(**kwargs) run in a thread; if we are cancelled after the thread began, it runs on. on_started
+    and on_abandoned, if given, get the thread's future: when it is started, when it is left running."""
     outcome = concurrent.futures.Future()
 
     def work():
@@ -1345,6 +1346,8 @@ async def _in_thread(function, kwargs, start=_start_thread, on_abandoned=None):
             outcome.set_exception(error if plain else _Fault(raised))
 
     start(work)
+    if on_started is not None:
+        on_started(outcome)
     try:
         return await asyncio.wrap_future(outcome)
     except asyncio.CancelledError:
@@ -1382,6 +1385,7 @@ class FunctionTools:
         self.reconciles = reconcile
         self.abandoned = []  # ids of calls whose thread was still running when the runtime stopped waiting
         self._threads = {}   # their futures, by call id, to wait for
+        self._writes = {}    # the futures of the writes whose thread runs, by key: reconcile waits for them
 
     async def invoke(self, call):
         """Run the call's function: awaited if it is async, else in a thread; copy the result at delivery."""
@@ -1395,7 +1399,12 @@ class FunctionTools:
                 self.abandoned.append(cid)
                 self._threads[cid] = thread
 
-            result = await _in_thread(function, args, self._start, abandon)
+            def write(thread, key=call.get("idempotency_key")):
+                self._writes[key] = thread
+                thread.add_done_callback(lambda _: self._writes.pop(key, None))  # ended: reconcile may ask
+
+            writes = "idempotency_key" in call
+            result = await _in_thread(function, args, self._start, abandon, write if writes else None)
             if inspect.isawaitable(result):  # a plain callable that returned an awaitable: a lambda, say
                 result = await result
         # Delivery: history gets an object nobody else holds (see result_ownership.py). What is not plain
@@ -1422,9 +1431,10 @@ class FunctionTools:
 
     async def reconcile(self, call):
         """What the reconcile function says of a write whose outcome is unknown (a plain function runs in a thread, as
-        a write does); None without one, and while the write's own thread still runs: nothing is known yet."""
-        thread = self._threads.get(call["call_id"])
-        if self.reconciles is None or thread is not None and not thread.done():
+        a write does); None without one, and while the write's own thread still runs (whether or not this run still
+        waits for it: another run on these tools, a takeover say, is not told it did not apply): nothing is known yet.
+        The thread of a write in another process only the service can refuse (see OrderDesk)."""
+        if self.reconciles is None or call.get("idempotency_key") in self._writes:
             return None
         if _is_async(self.reconciles):
             return await self.reconciles(_copy(call))
@@ -2657,7 +2667,8 @@ class Store:
         the events (after those stored) and, with end = (status, answer), the run's end; a state whose "paused_at"
         is not None is a pause (PART 14);
       unfinished(): the ids of the runs that have not ended, oldest first.
-    A store with leases (SqlStore) has lease_seconds, renew(run_id, generation) and release(run_id, generation) too.
+    A store with leases (SqlStore) has lease_seconds, renew(run_id, generation), release(run_id, generation) and
+    give_back(run_id, aside) too.
     Everything else (what a crash leaves, resuming, fencing) is the runtime's: journal() makes it."""
 
     def journal(self, run_id, registry, limits, tools=None, **writes):
@@ -2687,17 +2698,23 @@ class _Journal(_Unsaved):
             "limits": [getattr(limits, field.name) for field in dataclasses.fields(Limits)],
             "registry": {name: [spec.cost, spec.read_only, spec.parallel_safe, spec.parameters]
                          for name, spec in registry.items()}}))
-        saved, self.holding, self.renewal, self.lost = self._load(), False, None, None
-        if saved is None or saved["status"] is None:
-            self._check(saved)  # all that can refuse the run does so here, before the claim fences anyone
-            # Claimed, then read again: what another process saved before the claim is this one's to go on from.
-            self.generation, self.holding = self._asked(store.claim, run_id, self.config, time.time()), True
+        self.holding, self.renewal, self.lost, self.unresumable = False, None, None, False
+        try:
             saved = self._load()
-            try:
+            if saved is None or saved["status"] is None:
+                self._check(saved)  # all that can refuse the run does so here, before the claim fences anyone
+                # Claimed, then read again: what another process saved before the claim is this one's to go on from.
+                self.generation, self.holding = self._asked(store.claim, run_id, self.config, time.time()), True
+                saved = self._load()
                 self._check(saved)  # again: another process may have gone on with the run in between
-            except ValueError:
+        except ValueError:  # refused: a lease taken for it goes back (a run this code cannot resume, set aside)
+            give_back = getattr(store, "give_back", None)
+            if self.holding:
                 self.close()
-                raise
+            elif callable(give_back):
+                with contextlib.suppress(Exception):
+                    give_back(run_id, aside=self.unresumable)
+            raise
         self.saved, self.lost, self.saved_records, self.events = saved, None, [], 0
         self.paused, self.pause_began, self.paused_at, self.asked_at = 0.0, None, None, None
         if saved:  # a run paused until now (PART 14) ends its pause here: the time paused is no time of the run's
@@ -2717,9 +2734,11 @@ class _Journal(_Unsaved):
     def _load(self):
         """The run as saved, checked: ValueError for one of another version or config, or that is not such data."""
         saved = self._asked(self.store.load, self.run_id)
-        if saved is not None and not _a_saved_run(saved, self.registry, self.limits):
+        self.unresumable = saved is not None and not _a_saved_run(saved, self.registry, self.limits)
+        if self.unresumable:
             raise ValueError(f"{self.run_id}: what the store holds for it is not a run this version saved")
-        if saved is not None and saved["config"] != self.config:
+        self.unresumable = saved is not None and saved["config"] != self.config
+        if self.unresumable:
             raise ValueError(f"{self.run_id}: saved with another registry or other limits")
         return saved
 
@@ -2770,6 +2789,10 @@ class _Journal(_Unsaved):
         """True if a run with this result has ended (PART 14 has runs that only pause)."""
         return True
 
+    def _in_flight(self):
+        """True if a call handed over may still be running when the run is gone (PART 14 has writes that may)."""
+        return False
+
     def _cut(self, record):
         """True if the crash cut this round's batch: some of its calls have no observation."""
         return len(record["observations"]) < len(record["calls"])
@@ -2788,17 +2811,20 @@ class _Journal(_Unsaved):
     def _renew(self):
         try:
             self.store.renew(self.run_id, self.generation)
-        except Exception as error:  # fenced: the run stops at its next step, and renews nothing more
+        except Superseded as error:  # fenced: the run stops at its next step, and renews nothing more
             self.lost = _lost(error)
             return
+        except Exception:  # the database's own error (a lock held a while): tried again; a save that fails says so
+            pass
         self._renew_later()
 
     def close(self):
-        """When run_agent returns, or is cut: renew no more, and let a lease still held go (an ended run's is)."""
+        """When run_agent returns, or is cut: renew no more, and let a lease still held go (an ended run's is), unless
+        a call may still be running (PART 14: a write its task's cancel cut): then the lease runs out."""
         if self.renewal is not None:
             self.renewal.cancel()
         release = getattr(self.store, "release", None)
-        if self.holding and self.lost is None and callable(release):
+        if self.holding and self.lost is None and callable(release) and not self._in_flight():
             self.holding = False
             with contextlib.suppress(Exception):  # not let go, it runs out
                 release(self.run_id, self.generation)
@@ -2906,26 +2932,30 @@ class SqlStore(Store):
     connection: a sqlite3 connection, or a psycopg 3 connection, in autocommit mode (sqlite3.connect(path,
     isolation_level=None), psycopg.connect(conninfo, autocommit=True)): the store's transactions are its own. It is
     yours: close it yourself. Or a function of no arguments that makes one: the store calls it once and closes what it
-    made in close(). The store makes its tables (agent_loop_*) beside any of yours; the module imports no driver.
+    made in close(). The store makes its tables (agent_loop_*) beside any of yours, and puts an SQLite file in
+    write-ahead-log mode (a mode that stays); the module imports no driver.
 
     A lease: a claim holds its run for lease_seconds (30 by default) on the store's clock (time.time: workers on
     several machines need their clocks in sync), held by this store object. Each save renews it, and a running run
-    renews it in the background every third of it; a run that ends, or pauses (PART 14), lets it go. A save, a
+    renews it in the background every third of it (a renewal the database failed is tried again: the save says);
+    a run that ends, or pauses (PART 14), lets it go, unless its task was cancelled while a write ran. A save, a
     renewal or a call started after the lease ran out is refused (Superseded "lease_expired"), whether or not another
     worker has taken the run since; after another claim, as "stale".
 
     The queue: add(run_id) records a run that has not started; claim_next() leases the oldest unfinished run that no
     live lease holds and that no pause holds (never started, crashed and past its lease, or let go) and returns its
-    id, or None; run_agent(..., store=store, run_id=that_id) runs it under that lease. A run claimed by name instead
+    id, or None; run_agent(..., store=store, run_id=that_id) runs it under that lease (one it refuses with a
+    ValueError is given back; set aside, waiting for you, if it was saved with another registry or other limits). A run claimed by name instead
     is taken over at once, its holder fenced. SQLite keeps a writer at a time; PostgreSQL's claims skip the rows that
     another claim has locked (see _DIALECTS, all that differs between them). Durability is the database's: SQLite's
     here (the write-ahead log, synchronous=FULL), PostgreSQL's own (synchronous_commit)."""
 
     def __init__(self, connection, lease_seconds=30.0, clock=time.time):
-        if type(lease_seconds) not in (int, float) or not 0 < lease_seconds <= 86_400:
-            raise ValueError("lease_seconds must be a number of seconds above 0, at most a day")
-        if not callable(clock):
-            raise ValueError("clock must be a function of no arguments, such as time.time")
+        if type(lease_seconds) not in (int, float) or not 0.1 <= lease_seconds <= 86_400:
+            # Shorter, a lease could run out between a claim and the run's first save, every time.
+            raise ValueError("lease_seconds must be a number of seconds from 0.1 to a day")
+        if not callable(clock) or type(_asked_clock(clock)) is not float:
+            raise ValueError("clock must be a function of no arguments that gives seconds, such as time.time")
         made = _driver_of(connection) is None and callable(connection)
         try:
             db = connection() if made else connection
@@ -2939,8 +2969,9 @@ class SqlStore(Store):
         self.holder = os.urandom(8).hex()  # whose lease it is: this store object's
         self.leased = {}  # run id: the generation claim_next leased it under, until a run claims it
         try:
-            if not self.dialect["autocommit"](db):
-                raise ValueError("the connection must be in autocommit mode: the store's transactions are its own")
+            unfit = self.dialect["unfit"](db)
+            if unfit:
+                raise ValueError(f"the connection {unfit}")
             self._made()
         except (self.error, ValueError) as error:
             self.close()
@@ -2949,7 +2980,7 @@ class SqlStore(Store):
     _name = "the database"
 
     def _sql(self, statement, parameters=()):
-        cursor = self.db.cursor()
+        cursor = self.dialect["cursor"](self.db)  # its rows tuples, whatever the connection's row factory
         cursor.execute(statement.replace("?", self.dialect["mark"]), parameters)
         return cursor
 
@@ -2963,16 +2994,21 @@ class SqlStore(Store):
                     self._sql(statement)
                 for key, value in (("version", str(STORE_VERSION)), ("store", os.urandom(8).hex())):
                     self._sql("INSERT INTO agent_loop_meta VALUES (?, ?) ON CONFLICT (key) DO NOTHING", (key, value))
+                self._has_columns()  # here too: a table of one of those names that is yours undoes all of it
         meta = dict(self._sql("SELECT key, value FROM agent_loop_meta").fetchall())
         if meta.get("version") != str(STORE_VERSION) or type(meta.get("store")) is not str:
             raise ValueError(f"{self._name}: a store of another version")
         self.store_id = meta["store"]  # this store's own: its writes' keys are no other store's
-        for columns in _STORE_COLUMNS:  # every table and column there (the driver's error if not: not a store)
+        self._has_columns()
+
+    def _has_columns(self):
+        """Nothing, if every table and column of a store is there; else the driver's error (not a store)."""
+        for columns in _STORE_COLUMNS:
             self._sql(f"SELECT {columns} LIMIT 0").fetchall()
 
     @contextlib.contextmanager
-    def _transaction(self, first=None):
-        self._sql(self.dialect["begin"])  # SQLite: the write lock now, not at the first write
+    def _transaction(self, first=None, begin="begin"):
+        self._sql(self.dialect[begin])  # SQLite: the write lock now, not at the first write
         try:
             if first:
                 self._sql(first)
@@ -2984,14 +3020,17 @@ class SqlStore(Store):
         self._sql("COMMIT")
 
     def load(self, run_id):
-        """The run as saved, or None (also for a run added that has not started)."""
-        row = self._sql("SELECT config, started, generation, state, status, answer FROM agent_loop_runs "
-                        "WHERE run_id = ?", (run_id,)).fetchone()
-        if row is None or row[0] is None:
-            return None
-        config, started, generation, state, status, answer = row
-        records = self._sql("SELECT body FROM agent_loop_records WHERE run_id = ? ORDER BY round", (run_id,))
-        events = self._sql("SELECT body FROM agent_loop_events WHERE run_id = ? ORDER BY seq", (run_id,))
+        """The run as saved, or None (also for a run added that has not started): read in one transaction, a save
+        made meanwhile by the run's holder all there or not at all."""
+        with self._transaction(begin="read"):
+            row = self._sql("SELECT config, started, generation, state, status, answer FROM agent_loop_runs "
+                            "WHERE run_id = ?", (run_id,)).fetchone()
+            if row is None or row[0] is None:
+                return None
+            config, started, generation, state, status, answer = row
+            records = self._sql("SELECT body FROM agent_loop_records WHERE run_id = ? ORDER BY round",
+                                (run_id,)).fetchall()
+            events = self._sql("SELECT body FROM agent_loop_events WHERE run_id = ? ORDER BY seq", (run_id,)).fetchall()
         try:
             return {"config": config, "started": started, "generation": generation, "state": json.loads(state),
                     "history": [json.loads(body) for body, in records], "trace": [json.loads(body) for body, in events],
@@ -3065,6 +3104,15 @@ class SqlStore(Store):
         self._sql("UPDATE agent_loop_runs SET holder = NULL, lease_until = NULL WHERE run_id = ? AND generation = ? "
                   "AND holder = ?", (run_id, generation, self.holder))
 
+    def give_back(self, run_id, aside=False):
+        """Give back a run that claim_next leased to this store and no run claimed (run_agent refused it): free at
+        once, or, aside, set aside: it waits for you, as a paused run does (one saved with another registry, other
+        limits or by another version: resumed by name, with those, it goes on)."""
+        generation = self.leased.pop(run_id, None)
+        if generation is not None:
+            self._sql("UPDATE agent_loop_runs SET holder = NULL, lease_until = NULL, waiting = ? WHERE run_id = ? AND "
+                      "generation = ? AND holder = ?", (int(aside), run_id, generation, self.holder))
+
     def save(self, run_id, generation, state, records, events, end=None):
         """What changed, in one transaction, if this store still holds the run; else Superseded. An end or a pause
         lets the lease go; any other save renews it."""
@@ -3105,30 +3153,75 @@ class SqlStore(Store):
         self.close()
 
 
+def _asked_clock(clock):
+    """What the clock says, as a float, or None if it is not a finite number of seconds."""
+    try:
+        now = clock()
+    except Exception:
+        return None
+    return float(now) if type(now) in (int, float) and math.isfinite(now) else None
+
+
 def _driver_of(connection):
-    """The name of the driver whose connection this is, if _DIALECTS knows it."""
-    driver = type(connection).__module__.partition(".")[0]
-    return driver if driver in _DIALECTS and driver in sys.modules else None
+    """The name of the driver whose connection this is (a subclass's too), if _DIALECTS knows it."""
+    for kind in type(connection).__mro__:
+        driver = kind.__module__.partition(".")[0]
+        if driver in _DIALECTS and driver in sys.modules:
+            return driver
+    return None
+
+
+_NOT_AUTOCOMMIT = "must be in autocommit mode: the store's transactions are its own"
+_IN_TRANSACTION = "has a transaction open: the store's transactions are its own"
+
+
+def _sqlite3_unfit(db):
+    """Why the store cannot work on this sqlite3 connection, or None."""
+    if db.isolation_level is not None or getattr(db, "autocommit", None) is False:
+        return _NOT_AUTOCOMMIT
+    if db.in_transaction:
+        return _IN_TRANSACTION
+    return None if db.text_factory is str else "must give text as str (its text_factory)"
+
+
+def _psycopg_unfit(db):
+    """Why the store cannot work on this psycopg connection, or None."""
+    if inspect.iscoroutinefunction(getattr(db, "execute", None)):
+        return "is an asyncio one: the store needs a blocking connection (psycopg.connect)"
+    if db.autocommit is not True:
+        return _NOT_AUTOCOMMIT
+    return None if db.info.transaction_status == 0 else _IN_TRANSACTION  # 0: idle
+
+
+def _tuple_rows(cursor):
+    cursor.row_factory = None
+    return cursor
 
 
 # Where SQLite and PostgreSQL differ, all in one place: the rest of the store's SQL runs on both as it is.
 _DIALECTS = {
     "sqlite3": {
         "mark": "?",  # a parameter's placeholder
-        "autocommit": lambda db: db.isolation_level is None and getattr(db, "autocommit", None) is not False,
+        "unfit": _sqlite3_unfit,
+        "cursor": lambda db: _tuple_rows(db.cursor()),
         "setup": ("PRAGMA journal_mode=WAL", "PRAGMA synchronous=FULL"),  # a save has reached the disk
         "tables": "SELECT name FROM sqlite_master WHERE type = 'table'",
         "begin": "BEGIN IMMEDIATE",  # one writer at a time, from the transaction's start: claims never interleave
+        "read": "BEGIN",  # a snapshot, from the first read on: the write-ahead log lets writers go on meanwhile
         "alone": None,  # the tables are made under that same lock
         "lock": "",  # nothing more: the transaction holds the whole database
         "skip_locked": "",
     },
     "psycopg": {
         "mark": "%s",
-        "autocommit": lambda db: db.autocommit is True,
+        "unfit": _psycopg_unfit,
+        "cursor": lambda db: db.cursor(row_factory=sys.modules["psycopg.rows"].tuple_row),
         "setup": (),
         "tables": "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()",
-        "begin": "BEGIN",  # READ COMMITTED: a statement waits for the rows another transaction has locked
+        # Whatever the session's default: a statement waits for the rows another transaction has locked, and then
+        # reads them as committed (under SERIALIZABLE, two claims at once would fail instead).
+        "begin": "BEGIN ISOLATION LEVEL READ COMMITTED",
+        "read": "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY",  # one snapshot for the whole read
         "alone": "SELECT pg_advisory_xact_lock(4807)",  # two processes making the tables at once would collide
         "lock": " FOR UPDATE",  # the run's row locked until the claim commits
         "skip_locked": " FOR UPDATE SKIP LOCKED",  # a run another claim has locked is not this claim's
@@ -3138,7 +3231,7 @@ _DIALECTS = {
 
 class SqliteStore(SqlStore):
     """A store in an SQLite file of its own (or ":memory:", for tests), opened on the standard library's sqlite3: a
-    file whose tables are another program's is refused. The workers that share it share one machine (the write-ahead
+    file with tables, and none of them a store's, is refused. The workers that share it share one machine (the write-ahead
     log needs that). Close it when done, or use it in a with block."""
 
     def __init__(self, path, lease_seconds=30.0, clock=time.time):
@@ -3427,6 +3520,11 @@ class _WriteJournal(_Journal):
 
     def _cut(self, record):
         return not self._paused_for_approval() and super()._cut(record)
+
+    def _in_flight(self):
+        """A write handed to its tool, and never observed: the run's task was cancelled while it ran."""
+        history = self.state[1] if getattr(self, "state", None) else []
+        return bool(self.given - {obs["call_id"] for record in history for obs in record["observations"]})
 
     def _interrupted(self, item):
         if item["call_id"] in self.written:  # handed to its tool before the crash: it may have applied

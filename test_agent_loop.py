@@ -6995,6 +6995,173 @@ class LeaseTests(RuntimeTestCase):
         self.assertIn("reconciled", events)  # the write it applied, found applied, not sent again
         setup.close()
 
+    def one_write(self, place, reconcile):
+        """A model that places one order, and again under a new call id if told it did not apply; its options."""
+        async def model(history):
+            placed = [obs for record in history for obs in record["observations"] if obs["ok"]]
+            return final("placed") if placed else calls(call(f"w{len(history) + 1}", "place", items=[1]))
+
+        registry = {"place": ToolSpec(1, False, False, parameters=agent_loop._closed(items={"type": "array"}))}
+        tools = agent_loop.FunctionTools({"place": place}, reconcile=reconcile)
+        return model, dict(registry=registry, fixtures=tools, accept=lambda answer, history: True, run_id="job",
+                           approve=lambda write: "approve", limits=SLOW_ROOMY)
+
+    async def test_a_write_still_running_when_its_run_is_taken_over_is_not_reconciled_as_not_applied(self):
+        release, effects, asked = threading.Event(), [], []
+
+        def place(items, idempotency_key):
+            release.wait(30)  # slow: the run is taken over by name while this request is on its way
+            effects.append(idempotency_key)
+            return {"order": "PO-1"}
+
+        def reconcile(call):
+            asked.append(call["call_id"])
+            return {"applied": True, "data": {"order": "PO-1"}} if effects else {"applied": False}
+
+        model, options = self.one_write(place, reconcile)
+        a, b = self.store(), self.store()
+        first = asyncio.create_task(run_agent(model, store=a, **options))
+        await wait_until(lambda: a.load("job") and any(e["event"] == "write" for e in a.load("job")["trace"]))
+        taken = await run_agent(model, store=b, **options)  # the same tools, in this process
+        self.assertEqual((taken["status"], asked), ("unknown_outcome", []))  # its thread runs: nothing is known
+        release.set()
+        self.assertEqual((await first)["status"], "superseded")
+        done = await run_agent(model, store=b, **options)
+        self.assertEqual((done["status"], asked, len(effects)), ("completed", ["w1"], 1))  # found applied, once
+
+    async def test_a_run_whose_task_is_cancelled_while_a_write_runs_keeps_its_lease_till_it_runs_out(self):
+        now, release = [1.0], threading.Event()
+        model, options = self.one_write(lambda items, idempotency_key: release.wait(30), lambda call: None)
+        a, b = (self.store(lease_seconds=30, clock=lambda: now[0]) for _ in "ab")
+        a.add("job")
+        a.claim_next()
+        task = asyncio.create_task(run_agent(model, store=a, **options))
+        await wait_until(lambda: any(e["event"] == "write" for e in (a.load("job") or {"trace": []})["trace"]))
+        task.cancel()  # a worker stopped gracefully, its write's thread still running
+        await asyncio.gather(task, return_exceptions=True)
+        self.assertEqual(b.claim_next(), None)  # not let go: another worker's reconcile could not know yet
+        now[0] += 30
+        self.assertEqual(b.claim_next(), "job")
+        release.set()
+
+    async def test_a_renewal_the_database_failed_is_tried_again(self):
+        renewals = []
+
+        class Flaky(agent_loop.SqlStore):
+            def renew(self, run_id, generation):
+                renewals.append(run_id)
+                if len(renewals) == 1:  # another program held the database a while
+                    raise self.error("locked")
+                super().renew(run_id, generation)
+
+        store = Flaky(self.connect, lease_seconds=0.3)
+        self.addCleanup(store.close)
+        fixtures = Fixtures(delays={"north": 1.0, "south": 1.0})  # three leases long
+        result = await run_agent(store=store, run_id="job", fixtures=fixtures, limits=SLOW_ROOMY)
+        self.assertEqual(result["status"], "completed")
+        self.assertGreater(len(renewals), 1)
+
+    def test_a_run_is_read_whole_while_its_holder_saves(self):
+        a = self.store()
+        generation = a.claim("job", "{}", 1.0)
+        record = lambda n: {"round": n, "calls": [], "observations": []}  # noqa: E731
+        state = lambda n: {**self.free("job"), "used": {"rounds": n, "calls": 0, "credits": 0}}  # noqa: E731
+        a.save("job", generation, state(1), [record(1)], [{"event": "decision", "round": 1}])
+        meanwhile = [lambda: a.save("job", generation, state(2), [record(2)], [{"event": "decision", "round": 2}])]
+
+        class Reader(agent_loop.SqlStore):  # the holder saves between its reads of the run's row and its records
+            def _sql(self, statement, parameters=()):
+                cursor = super()._sql(statement, parameters)
+                if statement.startswith("SELECT config") and meanwhile:
+                    meanwhile.pop()()
+                return cursor
+
+        reader = Reader(self.connect)
+        self.addCleanup(reader.close)
+        before = reader.load("job")
+        self.assertEqual((before["state"]["used"]["rounds"], len(before["history"]), len(before["trace"])), (1, 1, 1))
+        after = reader.load("job")
+        self.assertEqual((after["state"]["used"]["rounds"], len(after["history"]), len(after["trace"])), (2, 2, 2))
+
+    async def test_a_run_the_pool_cannot_resume_is_given_back_and_one_saved_otherwise_is_set_aside(self):
+        a, b = self.store(), self.store()
+        fixtures = Fixtures(delays={"north": 30})
+        cut = asyncio.create_task(run_agent(store=a, run_id="old", fixtures=fixtures, limits=SLOW_ROOMY))
+        await wait_until(lambda: fixtures.started)
+        cut.cancel()  # saved, not ended
+        await asyncio.gather(cut, return_exceptions=True)
+        a.add("new")
+        waiting = lambda: a._sql("SELECT waiting, holder FROM agent_loop_runs WHERE run_id = 'old'").fetchone()  # noqa
+        self.assertEqual(b.claim_next(), "old")
+        with self.assertRaises(ValueError):  # your mistake, for every run: given back, free at once
+            await run_agent(store=b, run_id="old", limits=SLOW_ROOMY, decisions={"nope": "approve"})
+        self.assertEqual(tuple(waiting()), (0, None))
+        self.assertEqual(b.claim_next(), "old")
+        with self.assertRaises(ValueError):  # a redeploy with other limits: this run waits for you
+            await run_agent(store=b, run_id="old", limits=ROOMY)
+        self.assertEqual((tuple(waiting()), b.claim_next(), b.unfinished()), ((1, None), "new", ["old", "new"]))
+        resumed = await run_agent(store=a, run_id="old", limits=SLOW_ROOMY)  # by name, with its own limits
+        self.assertEqual(resumed["status"], "completed")
+
+    def unfit(self):
+        """Connections the store cannot work on, each with what it says."""
+        def connect(**options):
+            return lambda: sqlite3.connect(self.where, **{"isolation_level": None, **options})
+
+        def in_a_transaction():
+            db = sqlite3.connect(self.where, isolation_level=None)
+            db.execute("BEGIN")
+            return db
+
+        def text_as_bytes():
+            db = sqlite3.connect(self.where, isolation_level=None)
+            db.text_factory = bytes
+            return db
+
+        return [(connect(isolation_level=""), "must be in autocommit mode"),
+                (in_a_transaction, "has a transaction open"), (text_as_bytes, "must give text as str")]
+
+    def fit(self):
+        """Connections the store works on whatever their rows look like, and a subclass's."""
+        class Mine(sqlite3.Connection):
+            pass
+
+        def rows(factory):
+            db = sqlite3.connect(self.where, isolation_level=None)
+            db.row_factory = factory
+            return db
+
+        return [lambda: sqlite3.connect(self.where, isolation_level=None, factory=Mine),
+                lambda: rows(sqlite3.Row), lambda: rows(lambda cursor, row: dict(zip("abcdefghijk", row)))]
+
+    def test_what_a_store_cannot_work_with_is_refused_saying_why(self):
+        for lease in (0, 0.05, -1, math.nan, math.inf, True, "30", None, 86_401):
+            with self.subTest(lease=lease), self.assertRaisesRegex(ValueError, "^lease_seconds must be"):
+                agent_loop.SqlStore(self.connect, lease_seconds=lease)
+        for clock in (None, lambda: "now", lambda: math.nan, lambda: 1 / 0):
+            with self.subTest(clock=clock), self.assertRaisesRegex(ValueError, "^clock must be"):
+                agent_loop.SqlStore(self.connect, clock=clock)
+        for connection, says in self.unfit():
+            with self.subTest(says=says), self.assertRaisesRegex(ValueError, f"^the connection {says}"):
+                agent_loop.SqlStore(connection)
+        self.assertRaisesRegex(ValueError, "^connection must be", agent_loop.SqlStore, object())
+        self.assertRaisesRegex(ValueError, "function failed: ZeroDivisionError", agent_loop.SqlStore, lambda: 1 / 0)
+        self.store().add("job")
+        for connection in self.fit():
+            with self.subTest(connection=connection), agent_loop.SqlStore(connection) as store:
+                self.assertEqual((store.claim_next(), store.unfinished()), ("job", ["job"]))
+                self.assertIsNone(store.load("job"))  # added, not started
+                store.give_back("job")
+
+    def test_a_table_of_yours_with_a_stores_name_leaves_none_of_the_stores_behind(self):
+        with contextlib.closing(self.connect()) as yours:
+            yours.cursor().execute("CREATE TABLE agent_loop_runs (yours TEXT)")
+            with self.assertRaisesRegex(ValueError, "not a store"):
+                agent_loop.SqlStore(self.connect)
+            tables = {name for name, in yours.cursor().execute(
+                agent_loop._DIALECTS[agent_loop._driver_of(yours)]["tables"]).fetchall()}
+            self.assertEqual(tables, {"agent_loop_runs"})
+
 
 class PostgresLeaseTests(LeaseTests):
     """The same tests on a PostgreSQL server of their own: its concurrency, its SQL, its driver (psycopg 3)."""
@@ -7017,6 +7184,53 @@ class PostgresLeaseTests(LeaseTests):
     def connect(self):
         import psycopg
         return psycopg.connect(self.where, autocommit=True)
+
+    def unfit(self):
+        import psycopg
+
+        def in_a_transaction():
+            db = self.connect()
+            db.execute("BEGIN")
+            return db
+
+        asynchronous = asyncio.run(psycopg.AsyncConnection.connect(self.where, autocommit=True))
+        self.addCleanup(asyncio.run, asynchronous.close())
+        return [(lambda: psycopg.connect(self.where), "must be in autocommit mode"),
+                (in_a_transaction, "has a transaction open"), (asynchronous, "is an asyncio one")]
+
+    def fit(self):
+        import psycopg
+        import psycopg.rows
+
+        class Mine(psycopg.Connection):
+            pass
+
+        return [lambda: Mine.connect(self.where, autocommit=True),
+                lambda: psycopg.connect(self.where, autocommit=True, row_factory=psycopg.rows.dict_row)]
+
+    def test_claims_in_sessions_that_default_to_serializable_never_fail(self):
+        import psycopg
+
+        def connect():
+            db = psycopg.connect(self.where, autocommit=True)
+            db.execute("SET default_transaction_isolation = serializable")  # as an application's database may
+            return db
+
+        stores = [agent_loop.SqlStore(connect) for _ in range(4)]
+        for store in stores:
+            self.addCleanup(store.close)
+        for trial in range(10):
+            for n in range(3):
+                stores[0].add(f"t{trial}-{n}")
+            start = threading.Barrier(len(stores))
+
+            def claim(store):
+                start.wait(timeout=30)
+                return store.claim_next()
+
+            with concurrent.futures.ThreadPoolExecutor(len(stores)) as pool:
+                got = list(pool.map(claim, stores))  # a SerializationFailure would come out here
+            self.assertEqual(sorted(filter(None, got)), [f"t{trial}-{n}" for n in range(3)])
 
 
 class ReadmeTests(RuntimeTestCase):
