@@ -1433,7 +1433,8 @@ class FunctionTools:
         """What the reconcile function says of a write whose outcome is unknown (a plain function runs in a thread, as
         a write does); None without one, and while the write's own thread still runs (whether or not this run still
         waits for it: another run on these tools, a takeover say, is not told it did not apply): nothing is known yet.
-        The thread of a write in another process only the service can refuse (see OrderDesk)."""
+        A thread that an async write starts itself (asyncio.to_thread) is its own to wait for, and the thread of a
+        write in another process only the service can refuse (see OrderDesk)."""
         if self.reconciles is None or call.get("idempotency_key") in self._writes:
             return None
         if _is_async(self.reconciles):
@@ -2629,7 +2630,7 @@ STORE_VERSION = 1  # the layout of what a store holds: a store of another versio
 
 class Superseded(Exception):
     """What a store raises when this process holds the run no longer: its reason is "stale" (another process has
-    claimed the run since) or "lease_expired" (its lease ran out, whether or not another process has claimed it)."""
+    claimed the run since) or "lease_expired" (its lease ran out, and nobody has claimed the run since)."""
 
     def __init__(self, run_id, reason="stale"):
         super().__init__(run_id, reason)
@@ -2667,7 +2668,8 @@ class Store:
         the events (after those stored) and, with end = (status, answer), the run's end; a state whose "paused_at"
         is not None is a pause (PART 14);
       unfinished(): the ids of the runs that have not ended, oldest first.
-    A store with leases (SqlStore) has lease_seconds, renew(run_id, generation), release(run_id, generation) and
+    A store that runs writes (PART 14) has a store_id: a string no other store has, that their keys are made of. A
+    store with leases (SqlStore) has lease_seconds, renew(run_id, generation), release(run_id, generation) and
     give_back(run_id, aside) too.
     Everything else (what a crash leaves, resuming, fencing) is the runtime's: journal() makes it."""
 
@@ -2701,8 +2703,8 @@ class _Journal(_Unsaved):
         self.holding, self.renewal, self.lost, self.unresumable = False, None, None, False
         try:
             saved = self._load()
+            self._check(saved)  # all that can refuse the run does so here, before a claim fences anyone
             if saved is None or saved["status"] is None:
-                self._check(saved)  # all that can refuse the run does so here, before the claim fences anyone
                 # Claimed, then read again: what another process saved before the claim is this one's to go on from.
                 self.generation, self.holding = self._asked(store.claim, run_id, self.config, time.time()), True
                 saved = self._load()
@@ -2939,8 +2941,8 @@ class SqlStore(Store):
     several machines need their clocks in sync), held by this store object. Each save renews it, and a running run
     renews it in the background every third of it (a renewal the database failed is tried again: the save says);
     a run that ends, or pauses (PART 14), lets it go, unless its task was cancelled while a write ran. A save, a
-    renewal or a call started after the lease ran out is refused (Superseded "lease_expired"), whether or not another
-    worker has taken the run since; after another claim, as "stale".
+    renewal or a call started after the lease ran out is refused: Superseded "lease_expired", or "stale" once
+    another worker has claimed the run.
 
     The queue: add(run_id) records a run that has not started; claim_next() leases the oldest unfinished run that no
     live lease holds and that no pause holds (never started, crashed and past its lease, or let go) and returns its
@@ -3446,7 +3448,9 @@ class _WriteJournal(_Journal):
         self.approve, self.decisions, self.tools = approve, dict(decisions or {}), tools  # (tools: read in _check)
         self.writes = {name for name, spec in registry.items() if not spec.read_only}
         self.pending, self.given = [], set()  # given: the writes this process handed to their tool
-        self.store_id = getattr(store, "store_id", "")
+        self.store_id = getattr(store, "store_id", None)
+        if (approve is not None or decisions) and (type(self.store_id) is not str or not self.store_id):
+            raise ValueError("a store that runs writes needs a store_id of its own: their keys are made of it")
         self.store_id = self.store_id if type(self.store_id) is str else ""
         super().__init__(store, run_id, registry, limits, tools)
         trace = self.saved["trace"] if self.saved else []
@@ -3457,26 +3461,29 @@ class _WriteJournal(_Journal):
             self.asked_at = self.saved["state"]["asked_at"] or self.pause_began
         self.expired = self.asked_at is not None and time.time() - self.asked_at > limits.approval_seconds
 
-    @staticmethod
-    def _paused_for_approval_in(saved):
-        """True if the run, as saved, waits for decisions on its last batch's writes: it stopped for them, and no
-        write of the batch has been saved as started since (a crash may have come in between)."""
+    def _paused_for_approval(self, saved=None):
+        """True if the run, as saved, waits for decisions on its last batch's writes: that batch stopped it for them,
+        nothing of it was observed or saved as started, and a write of it has no decision yet. Once each has one, the
+        batch went on: a crash since has cut it, and it is charged and observed as a cut batch is."""
+        saved = saved or self.saved
         if not saved or not saved["history"] or saved["history"][-1]["observations"]:
             return False
+        record, decided = saved["history"][-1], self._decided(saved)
         stops = [index for index, event in enumerate(saved["trace"]) if event["event"] == "stop"]
-        return bool(stops) and saved["trace"][stops[-1]].get("status") == "awaiting_approval" and not any(
-            event["event"] == "write" for event in saved["trace"][stops[-1]:])
-
-    def _paused_for_approval(self, saved=None):
-        return self._paused_for_approval_in(saved or self.saved)
+        stop = saved["trace"][stops[-1]] if stops else {}
+        return stop.get("status") == "awaiting_approval" and stop.get("rounds") == record["round"] and \
+            any(item["name"] in self.writes and item["call_id"] not in decided for item in record["calls"]) and \
+            not any(event["event"] == "write" for event in saved["trace"][stops[-1]:])
 
     def _check(self, saved):
         wrote = saved is not None and any(event["event"] == "approval" for event in saved["trace"])
-        check = getattr(type(self.tools), "check_writes", None)
+        check, reconcile = (getattr(type(self.tools), name, None) for name in ("check_writes", "reconcile"))
         if check is not None and (self.approve is not None or self.decisions or wrote):
             check(self.tools, sorted(self.writes))
+        if reconcile is not None and _is_async(reconcile) is False and (self.approve is not None or self.decisions or wrote):
+            raise ValueError("reconcile: the tools' reconcile must be async (FunctionTools takes a plain function)")
         paused = saved is not None and self._paused_for_approval(saved)
-        decided = self._decided(saved) if paused else {}
+        decided = self._decided(saved) if saved else {}
         pending = {item["call_id"] for item in saved["history"][-1]["calls"]
                    if item["name"] in self.writes and item["call_id"] not in decided} if paused else set()
         for cid, verdict in self.decisions.items():
@@ -3515,7 +3522,7 @@ class _WriteJournal(_Journal):
 
     def _ends(self, result):
         """A run pauses for a decision, or while a write's outcome is unknown, whatever stopped it: a cancel or the
-        deadline that cut a write ends the run only once a later call has settled the write."""
+        deadline that cut a write does not end the run; a later call settles the write, and the run goes on."""
         return result["status"] not in PAUSES and "unknown" not in result
 
     def _cut(self, record):
@@ -3558,8 +3565,9 @@ class _WriteJournal(_Journal):
             await act(record, False)
 
     async def _settling(self, factory):
-        """The wait of a reconcile that settles a write before the run goes on: tool_seconds, whatever time is left."""
-        return await asyncio.wait_for(_await(factory), self.limits.tool_seconds)
+        """The wait of a reconcile that settles a write before the run goes on: tool_seconds, whatever time is left
+        (what it raises, a BaseException too, comes out as an Exception, as from any bounded wait)."""
+        return await bounded(factory, self.limits.tool_seconds, asyncio.Event())
 
     async def run_batch(self, batch, parallel, observe, wait):
         writes = [item for item in batch if item["name"] in self.writes]
@@ -3572,6 +3580,7 @@ class _WriteJournal(_Journal):
                     for item in batch]
         rejected = [cid for cid, verdict in verdicts.items() if verdict == "reject"]
         if rejected:  # all or nothing: no call of the batch starts
+            self.asked_at = None  # decided: a write asked about later has a clock of its own
             return [_failure(item, "rejected", True, reason="the write was rejected" if item["call_id"] in rejected
                              else f"another call of the batch was rejected: {rejected[0]}") for item in batch]
         self.pending = [self._call(item) for item in writes if verdicts[item["call_id"]] == "ask"]
@@ -3619,7 +3628,7 @@ class _WriteJournal(_Journal):
         if type(said) is dict and said.get("applied") is True and said.keys() <= {"applied", "data"} and \
                 _is_data(said.get("data")):
             return {**_copy(item), "ok": True, "data": said.get("data"), "reconciled": True}
-        if said == {"applied": False}:
+        if type(said) is dict and said.keys() == {"applied"} and said["applied"] is False:  # false, not 0
             return _failure(item, "not_applied", True, reason="reconcile says it did not apply")
         return _failure(item, "unknown_outcome", False, reason="the write may have applied: reconcile could not tell")
 

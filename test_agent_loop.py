@@ -6222,6 +6222,46 @@ def order_errors(result):
     return [obs["error"] for obs in observations(result) if not obs["ok"]]
 
 
+def dict_store(store_id=None):
+    """A store of your own, in memory, with the five methods of Store's docstring and nothing more (made here: the
+    core cut away from the later parts has no Store)."""
+    class DictStore(agent_loop.Store):
+        def __init__(self):
+            self.runs = {}
+
+        def load(self, run_id):
+            return copy.deepcopy(self.runs.get(run_id))
+
+        def claim(self, run_id, config, started):
+            run = self.runs.setdefault(run_id, {"config": config, "started": started, "generation": 0,
+                                                "state": dict(agent_loop._NOTHING_SAVED), "history": [], "trace": [],
+                                                "status": None, "answer": None})
+            run["generation"] += 1
+            return run["generation"]
+
+        def claimed(self, run_id, generation):
+            if self.runs[run_id]["generation"] != generation:
+                raise agent_loop.Superseded(run_id)
+
+        def save(self, run_id, generation, state, records, events, end=None):
+            self.claimed(run_id, generation)
+            run = copy.deepcopy(self.runs[run_id])
+            rounds = {record["round"]: record for record in run["history"] + copy.deepcopy(records)}
+            run.update(state=copy.deepcopy(state), history=[rounds[n] for n in sorted(rounds)],
+                       trace=run["trace"] + copy.deepcopy(events))
+            if end is not None:
+                run["status"], run["answer"] = copy.deepcopy(end)
+            self.runs[run_id] = run  # all of it, or nothing
+
+        def unfinished(self):
+            return [run_id for run_id, run in self.runs.items() if run["status"] is None]
+
+    store = DictStore()
+    if store_id is not None:
+        store.store_id = store_id
+    return store
+
+
 class WriteTests(RuntimeTestCase):
     """PART 14: writes: an approval before any call of the batch starts, an idempotency key, unknown outcomes settled."""
 
@@ -6556,20 +6596,171 @@ class WriteTests(RuntimeTestCase):
     async def test_a_crash_just_after_a_paused_run_resumed_keeps_it_paused(self):
         store = self.store()
         await self.order(store, approve=lambda write: "ask")
-        for stage in ("resumed", "approval"):
-            with self.subTest(stage=stage):
-                async def crash_at(event):
-                    if event["event"] == stage:
-                        await asyncio.sleep(60)  # saved; then the process dies
 
-                task = asyncio.create_task(self.order(store, decisions={"r3-order": "approve"}, on_event=crash_at))
-                await wait_until(lambda: stage in [e["event"] for e in store.load("order")["trace"][-2:]])
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        async def crash_at(event):
+            if event["event"] == "resumed":
+                await asyncio.sleep(60)  # saved, before the decision is; then the process dies
+
+        task = asyncio.create_task(self.order(store, decisions={"r3-order": "approve"}, on_event=crash_at))
+        await wait_until(lambda: "resumed" in [e["event"] for e in store.load("order")["trace"][-1:]])
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         desk = agent_loop.OrderDesk(delays={})
         done = await self.order(store, desk, decisions={"r3-order": "approve"})
         self.assertEqual((done["status"], desk.started, order_errors(done)), ("completed", ["r3-order"], []))
         self.assertEqual(done["used"], {"rounds": 4, "calls": 4, "credits": 23})  # the order charged once
+
+    async def test_a_batch_a_crash_cut_once_its_writes_were_decided_is_charged_and_interrupted_not_run_again(self):
+        started, hang = [], threading.Event()
+        self.addCleanup(hang.set)
+
+        def read(item):
+            started.append("read")
+            hang.wait(30 if len(started) == 1 else 0)  # the first read hangs: the process dies meanwhile
+            return {"item": item}
+
+        def place(items, idempotency_key):
+            started.append("place")
+            return {"order": "PO-1"}
+
+        async def model(history):
+            return final("done") if history else calls(call("r1", "read", item="a"), call("w1", "place", items=[1]))
+
+        registry = {"read": ToolSpec(1, True, False, parameters=agent_loop._closed(item={"type": "string"})),
+                    "place": ToolSpec(1, False, False, parameters=agent_loop._closed(items={"type": "array"}))}
+        options = dict(registry=registry, fixtures=agent_loop.FunctionTools({"read": read, "place": place}),
+                       accept=lambda answer, history: answer == "done", store=self.store(), run_id="job",
+                       limits=SLOW_ROOMY)
+        paused = await run_agent(model, approve=lambda write: "ask", **options)
+        self.assertEqual(paused["status"], "awaiting_approval")
+        task = asyncio.create_task(run_agent(model, decisions={"w1": "approve"}, **options))
+        await wait_until(lambda: started)
+        task.cancel()  # the crash, while the read of the decided batch runs
+        await asyncio.gather(task, return_exceptions=True)
+        done = await run_agent(model, **options)
+        self.assertEqual((done["status"], started), ("completed", ["read"]))  # nothing of the batch ran again
+        self.assertEqual([obs["error"] for obs in done["history"][0]["observations"]], ["interrupted"] * 2)
+        self.assertEqual(done["used"]["calls"], 2)  # both charged: either may have started
+
+    async def test_a_write_asked_about_after_a_rejected_one_has_a_clock_of_its_own(self):
+        async def model(history):  # an order, and another under a new call id if it was rejected
+            placed = [obs for record in history for obs in record["observations"] if obs["ok"]]
+            return final("placed") if placed else calls(call(f"w{len(history) + 1}", "place", items=[1]))
+
+        registry = {"place": ToolSpec(1, False, False, parameters=agent_loop._closed(items={"type": "array"}))}
+        options = dict(registry=registry, fixtures=agent_loop.FunctionTools({"place": lambda items, idempotency_key: 1}),
+                       accept=lambda answer, history: True, store=self.store(), run_id="job", limits=ROOMY)
+        first = await run_agent(model, approve=lambda write: "ask", **options)
+        asked = lambda: options["store"].load("job")["state"]["asked_at"]  # noqa: E731
+        first_asked = asked()
+        second = await run_agent(model, decisions={"w1": "reject"}, **options)
+        self.assertEqual(([w["call_id"] for w in first["pending"]], [w["call_id"] for w in second["pending"]]),
+                         (["w1"], ["w2"]))
+        self.assertGreater(asked(), first_asked)  # w2's clock runs from when w2 was asked about
+
+    async def test_a_batch_after_a_rejected_write_that_a_crash_cut_is_charged_and_interrupted(self):
+        started, hang = [], threading.Event()
+        self.addCleanup(hang.set)
+
+        def read(item):
+            started.append(item)
+            hang.wait(30 if len(started) == 1 else 0)
+            return {"item": item}
+
+        async def model(history):  # a write, rejected; then a read, that the crash cuts; then the answer
+            if not history:
+                return calls(call("w1", "place", items=[1]))
+            return final("done") if len(history) > 2 else calls(call(f"r{len(history)}", "read", item="a"))
+
+        registry = {"read": ToolSpec(1, True, True, parameters=agent_loop._closed(item={"type": "string"})),
+                    "place": ToolSpec(1, False, False, parameters=agent_loop._closed(items={"type": "array"}))}
+        tools = agent_loop.FunctionTools({"read": read, "place": lambda items, idempotency_key: 1})
+        options = dict(registry=registry, fixtures=tools, accept=lambda answer, history: answer == "done",
+                       store=self.store(), run_id="job", limits=SLOW_ROOMY)
+        await run_agent(model, approve=lambda write: "ask", **options)
+        task = asyncio.create_task(run_agent(model, decisions={"w1": "reject"}, **options))
+        await wait_until(lambda: started)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        done = await run_agent(model, **options)
+        self.assertEqual((done["status"], [obs.get("error") for obs in done["history"][1]["observations"]]),
+                         ("completed", ["interrupted"]))  # not taken for the batch that waited for decisions
+        self.assertEqual(started, ["a", "a"])  # round 3's read, asked for by the model: not round 2's run again
+
+    async def test_a_batch_with_a_write_that_a_crash_cut_before_its_gate_is_cut_whatever_paused_before(self):
+        async def model(history):  # an order, and another under a new call id until one is placed
+            placed = [obs for record in history for obs in record["observations"] if obs["ok"]]
+            number = len(history) + 1
+            return final("placed") if placed else calls(call(f"w{number}", "place", items=[number]))
+
+        registry = {"place": ToolSpec(1, False, False, parameters=agent_loop._closed(items={"type": "array"}))}
+        options = dict(registry=registry, fixtures=agent_loop.FunctionTools({"place": lambda items, idempotency_key: 1}),
+                       accept=lambda answer, history: True, store=self.store(), run_id="job", limits=ROOMY)
+        await run_agent(model, approve=lambda write: "ask", **options)  # round 1's w1 waits for a decision
+        await run_agent(model, decisions={"w1": "reject"}, **options)  # rejected; round 2's w2 waits too
+        db = options["store"].db  # what a crash just after round 2 was admitted leaves: its gate never asked
+        (last,) = db.execute("SELECT MAX(seq) FROM agent_loop_events WHERE body LIKE '%\"decision\", \"round\": 2%'"
+                             ).fetchone()
+        db.execute("DELETE FROM agent_loop_events WHERE seq > ?", (last,))
+        done = await run_agent(model, approve=lambda write: "approve", **options)
+        self.assertEqual((done["status"], done["history"][1]["observations"][0]["error"]), ("completed", "interrupted"))
+
+    async def test_a_reconcile_that_raises_anything_on_resume_leaves_the_write_unknown(self):
+        class Boom(BaseException):
+            pass
+
+        for raised in (asyncio.CancelledError, GeneratorExit, Boom, agent_loop.Stop("deadline")):  # (not ^C: it leaves)
+            with self.subTest(raised=raised):
+                class Raising(agent_loop.OrderDesk):
+                    calls = 0
+
+                    async def reconcile(self, call):
+                        type(self).calls += 1
+                        if type(self).calls > 1:  # on resume
+                            raise raised
+                        return None
+
+                store, limits = self.store(), dataclasses.replace(ROOMY, tool_seconds=0.2)
+                desk = Raising(delays={}, failures={"place_order": ["timeout_after_apply"]})
+                paused = await self.order(store, desk, approve=lambda write: "approve", limits=limits)
+                again = await self.order(store, desk, limits=limits)
+                self.assertEqual((paused["status"], again["status"], Raising.calls),
+                                 ("unknown_outcome", "unknown_outcome", 2))
+
+    async def test_decisions_given_to_an_ended_run_must_be_the_ones_it_had(self):
+        store = self.store()
+        await self.order(store, approve=lambda write: "ask")
+        done = await self.order(store, decisions={"r3-order": "approve"})
+        self.assertEqual(done["status"], "completed")
+        self.assertEqual(await self.order(store, decisions={"r3-order": "approve"}), done)
+        for decisions in ({"r3-order": "reject"}, {"nope": "approve"}):
+            with self.subTest(decisions=decisions), self.assertRaisesRegex(ValueError, "not a write awaiting"):
+                await self.order(store, decisions=decisions)
+
+    async def test_tools_whose_reconcile_is_not_async_are_refused_before_the_model_is_asked(self):
+        class Plain(agent_loop.OrderDesk):
+            def reconcile(self, call):
+                return {"applied": False}
+
+        await self.assertRefusedBeforeTheModelIsAsked(
+            "reconcile: the tools' reconcile must be async (FunctionTools takes a plain function)",
+            registry=agent_loop.ORDER_TOOLS, fixtures=Plain(delays={}), accept=never_accept, store=self.store(),
+            run_id="job", approve=lambda write: "approve")
+
+    async def test_a_store_of_your_own_serves_a_run_with_the_five_methods_and_writes_with_a_store_id(self):
+        first = dict_store()
+        result = await run_agent(store=first, run_id="job", limits=ROOMY)
+        self.assertEqual((result["status"], first.unfinished(), await run_agent(store=first, run_id="job", limits=ROOMY)),
+                         ("completed", [], result))
+        with self.assertRaisesRegex(ValueError, "^a store that runs writes needs a store_id"):
+            await self.order(dict_store(), approve=lambda write: "approve")
+        keys = []
+        for store_id in ("one", "two"):
+            store, desk = dict_store(store_id), agent_loop.OrderDesk(delays={})
+            done = await self.order(store, desk, approve=lambda write: "approve")
+            keys += desk.effects
+            self.assertEqual(done["status"], "completed")
+        self.assertEqual(keys, [agent_loop.idempotency_key("order", "r3-order", store_id) for store_id in ("one", "two")])
 
     async def test_a_plain_reconcile_function_runs_in_a_thread_bounded_by_tool_seconds(self):
         release = threading.Event()
@@ -6603,11 +6794,13 @@ class WriteTests(RuntimeTestCase):
         self.assertEqual(late["status"], "approval_expired")
 
     async def test_what_reconcile_says_counts_only_as_plain_data(self):
-        for data in (datetime.datetime(2026, 1, 1), decimal.Decimal("1.5"), object(), (1, 2), math.nan):
-            with self.subTest(data=type(data).__name__):
+        odd = [{"applied": True, "data": data}
+               for data in (datetime.datetime(2026, 1, 1), decimal.Decimal("1.5"), object(), (1, 2), math.nan)]
+        for said in (*odd, {"applied": 0}, {"applied": 0.0}, {"applied": False, "data": 1}, {"applied": 1}):
+            with self.subTest(said=repr(said)):
                 class Odd(agent_loop.OrderDesk):
                     async def reconcile(self, call):
-                        return {"applied": True, "data": data}
+                        return said
 
                 desk = Odd(delays={}, failures={"place_order": ["timeout_after_apply"]})
                 result = await self.order(self.store(), desk, approve=lambda write: "approve",
