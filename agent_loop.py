@@ -1306,6 +1306,9 @@ def _parsed(argv):
 
 def _run_command(parser, run, args):
     """Run a command to its end; 0, or 1 with one line on stderr for output that could not be written."""
+    if sys.stdout is None:  # started with its standard output closed (`>&-`): print() would drop every line
+        print(f"{parser.prog}: error: cannot write the output: no standard output", file=sys.stderr)
+        return 1
     try:
         asyncio.run(run(args, parser))
         sys.stdout.flush()  # here, not at exit, so that a reader who stopped reading is handled below
@@ -2518,18 +2521,21 @@ def _svg_file(path, parser):
 
 
 async def _drawn_demo(args, parser):
-    if not (args.timeline or args.svg):
+    if not args.timeline and args.svg is None:
         return await demo()
     with _svg_file(args.svg, parser) as svg:
         await drawn_demo(args.timeline, svg)
 
 
 async def _drawn_scenario(args, parser):
-    if not (args.timeline or args.svg):
+    if not args.timeline and args.svg is None:
         return await _atlas_command(args, parser)
     if not args.name:
         parser.error("--timeline and --svg draw one scenario: give its NAME")
     _atlas_arguments(args, parser)  # its refusals come before the file is opened
+    if next(how for title, _, how in ATLAS if title == args.name).get("drawn") is False:
+        parser.error(f"cannot draw {args.name}: a Timeline draws a run it recorded whole, and this one resumes a "
+                     "run from a store")
     with _svg_file(args.svg, parser) as svg:
         timeline = Timeline()
         result = await _atlas_command(args, parser, timeline)
@@ -2889,7 +2895,9 @@ def _unsaved_end(result, lost):
 
 
 def _a_saved_run(saved, registry, limits):
-    """True if saved is a run as a store holds it, plain data of the right shapes, within the limits, coherent."""
+    """True if saved is a run as a store holds it, plain data of the right shapes, within the limits, coherent. A
+    store is the runtime's own record: an edit that keeps all of this (a count lowered, a round or event deleted, an
+    answer changed) is not found."""
     if not _has_keys(saved, _SAVED_KEYS) or not all(map(_is_data, saved.values())):
         return False
     state, history, trace = saved["state"], saved["history"], saved["trace"]
@@ -2902,7 +2910,8 @@ def _a_saved_run(saved, registry, limits):
         return False
     used = state["used"]
     within = [(used["rounds"], limits.rounds), (used["calls"], limits.calls), (used["credits"], limits.credits)]
-    if not all(type(value) is int and 0 <= value <= most for value, most in within):
+    if not all(type(value) is int and 0 <= value <= most for value, most in within) or \
+            used["credits"] < MODEL_COST * used["rounds"]:  # every round's decision was paid
         return False
     rounds = [record.get("round") if type(record) is dict else None for record in history]
     if not all(type(number) is int for number in rounds) or rounds != sorted(set(rounds)) or \
@@ -2912,17 +2921,47 @@ def _a_saved_run(saved, registry, limits):
         if not (_has_keys(record, {"round", "calls", "observations"}) and type(record["calls"]) is list
                 and type(record["observations"]) is list and len(record["observations"]) <= len(record["calls"])
                 and all(_has_keys(item, CALL_KEYS) and type(item["call_id"]) is str and type(item["name"]) is str
-                        for item in record["calls"])
+                        and type(item["arguments"]) is dict for item in record["calls"])
                 and all(type(obs) is dict and obs.get("call_id") == item["call_id"] and type(obs.get("ok")) is bool
                         for obs, item in zip(record["observations"], record["calls"]))):
             return False
     if any(len(record["observations"]) < len(record["calls"]) for record in history[:-1]):
         return False  # only the last round's batch can have been cut
+    if not all(_a_saved_observation(obs, item, registry) for record in history
+               for obs, item in zip(record["observations"], record["calls"])):
+        return False
+    if sum(obs["ok"] for record in history for obs in record["observations"]) > used["calls"]:
+        return False  # a call that succeeded was started, and counted
+    fatal = [next((obs["error"] for obs in record["observations"] if not obs["ok"] and not obs["retryable"]), None)
+             for record in history]
+    if any(error is not None and error not in STOP_STATUSES for error in fatal):
+        return False  # the first failure of a round that the model may not retry is the status it stops with
     cut = history[-1]["calls"][len(history[-1]["observations"]):] if history else []
     if any(item["name"] not in registry for item in cut):
         return False  # a cut batch's calls passed preflight: they are tools of this registry
+    if used["calls"] + len(cut) > limits.calls or \
+            used["credits"] + sum(registry[item["name"]].cost for item in cut) > limits.credits:
+        return False  # and the budgets admitted them: charged whole, they still fit
+    if saved["status"] is not None and not (trace and trace[-1].get("event") == "stop"
+                                            and trace[-1].get("status") == saved["status"]
+                                            and (saved["status"] == "completed" or saved["answer"] is None)):
+        return False  # an end is its last event's, and only a completed run has an answer
     return all(type(event) is dict and type(event.get("event")) is str
-               and (event["event"] != "refused" or type(event.get("round")) is int) for event in trace)
+               and (event["event"] != "refused" or type(event.get("round")) is int)
+               and (event["event"] != "stop" or event.get("status") in STOP_STATUSES)
+               and (event["event"] not in ("write", "approval") or type(event.get("call_id")) is str)
+               and (event["event"] != "approval" or type(event.get("decision")) is str) for event in trace)
+
+
+def _a_saved_observation(obs, item, registry):
+    """True if obs is an observation as the runtime makes them: data if ok, else an error it knows and whether the
+    model may retry (an unknown outcome only for a write)."""
+    if obs["ok"]:
+        return "data" in obs
+    error = obs.get("error")
+    return type(obs.get("retryable")) is bool and type(error) is str and \
+        (error in OBSERVATION_ERRORS or error in STOP_STATUSES and error != "completed") and \
+        (error != "unknown_outcome" or item["name"] in registry and not registry[item["name"]].read_only)
 
 
 _SAVED_KEYS = {"config", "started", "generation", "state", "history", "trace", "status", "answer"}
@@ -3344,11 +3383,11 @@ async def _disk_full(on_event=None, timeline=None):
 
 ATLAS += (
     ("superseded", "another process resumed the run while its reads ran: its next save was refused, nothing more "
-                   "started", {"run": _taken_over}),
+                   "started", {"run": _taken_over, "drawn": False}),
     ("store_failed", "the store's disk was full as the first batch was admitted: no tool started",
      {"run": _disk_full}),
-    ("resumed", "the process died while both reads ran; a new one resumed: both interrupted, read again, completed",
-     {"run": _crashed_and_resumed}),
+    ("resumed", "the run was cut as a crash cuts it while both reads ran, and resumed: both interrupted, read "
+                "again, completed", {"run": _crashed_and_resumed, "drawn": False}),
 )
 
 
@@ -3765,7 +3804,7 @@ ATLAS += (
     ("awaiting_approval", "the approval policy asked about the order: the run paused before it started",
      {"run": _asked_about}),
     ("approval_expired", "the order's approval came after approval_seconds: it never started",
-     {"run": _decided_too_late}),
+     {"run": _decided_too_late, "drawn": False}),
     ("unknown_outcome", "the order timed out after it applied and reconcile could not tell: the run paused",
      {"run": _unsure}),
 )

@@ -5282,10 +5282,40 @@ class TimelineTests(RuntimeTestCase):
         xml.etree.ElementTree.fromstring(timeline.svg(result).split("\n", 1)[1])
 
     def test_a_file_the_svg_cannot_go_to_is_refused_before_the_run(self):
-        done = run_command("demo", "--svg", os.path.join(HERE, "no such folder", "demo.svg"))
-        self.assertEqual((done.returncode, done.stdout), (2, ""))
-        self.assertIn("can't open", done.stderr)
-        self.assertNotIn("Traceback", done.stderr)
+        for done in run_commands(("demo", "--svg", os.path.join(HERE, "no such folder", "demo.svg")),
+                                 ("demo", "--svg", "")):
+            self.assertEqual((done.returncode, done.stdout), (2, ""))
+            self.assertIn("can't open", done.stderr)
+            self.assertNotIn("Traceback", done.stderr)
+
+    def test_a_command_started_with_its_output_closed_says_so_in_one_line(self):
+        flags = "-O" if sys.flags.optimize else ""
+        command = f'"{sys.executable}" {flags} "{os.path.join(HERE, "agent_loop.py")}" demo >&-'
+        done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=120, check=False)
+        self.assertEqual((done.returncode, done.stderr), (1, "agent_loop.py: error: cannot write the output: "
+                                                             "no standard output\n"))
+
+    async def test_every_scenario_draws_but_those_that_resume_a_run_which_are_refused_before_a_file_is_touched(self):
+        undrawn = [name for name, _, how in agent_loop.ATLAS if how.get("drawn") is False]
+        self.assertEqual(undrawn, ["superseded", "resumed", "approval_expired"])
+        for name, _, how in agent_loop.ATLAS:
+            with self.subTest(name=name):
+                timeline = agent_loop.Timeline()
+                with contextlib.redirect_stdout(io.StringIO()):
+                    result, _ = await agent_loop.run_scenario(name, timeline=timeline)
+                if name in undrawn:
+                    self.assertRaises(ValueError, timeline.text, result)  # (so the flag says what is so)
+                else:
+                    self.assertIn(f"{result['status']}: ", timeline.text(result))
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "kept.svg")
+            with open(path, "w", encoding="utf-8") as file:
+                file.write("kept")
+            for done in run_commands(*[("scenarios", name, "--svg", path) for name in undrawn]):
+                self.assertEqual((done.returncode, done.stdout), (2, ""))
+                self.assertIn("a Timeline draws a run it recorded whole", done.stderr)
+            with open(path, encoding="utf-8") as file:
+                self.assertEqual(file.read(), "kept")
 
     async def test_the_readmes_drawings_are_those_of_the_runs_they_name(self):
         drawings = [block for block in re.findall(r"```\n(.*?)```", readme_section("See a run on a time axis"), re.S)
@@ -6030,6 +6060,59 @@ class SavedRunTests(RuntimeTestCase):
                 self.assertEqual(tampered.load("job")["generation"], generation)
                 tampered.close()
                 os.remove(copy_path)
+
+    async def test_a_store_edited_out_of_the_shapes_the_runtime_saves_is_refused(self):
+        path = os.path.join(self.folder(), "runs.db")
+        store = self.store(path)
+        done = await run_agent(store=store, run_id="job", fixtures=Fixtures(failures={"north": ["temporary"]}),
+                               limits=ROOMY)
+        self.assertEqual((done["status"], done["used"]["calls"]), ("completed", 4))
+        records = "UPDATE agent_loop_records SET body = replace(body, '{}', '{}')"
+        failed = '"error": "temporary", "retryable": true'
+        unended = ["UPDATE agent_loop_runs SET status = NULL, answer = NULL",
+                   "DELETE FROM agent_loop_events WHERE body LIKE '%\"stop\"%'"]
+        tamperings = {  # each a list of SQL statements
+            "a failure without retryable": [records.format(failed, '"error": "temporary"')],
+            "an error that is a number": [records.format(failed, '"error": 7, "retryable": true')],
+            "an error that is the status completed": [records.format(failed, '"error": "completed", "retryable": false')],
+            "a failure not to retry that is no status": [records.format(failed, '"error": "batch_aborted", '
+                                                                                 '"retryable": false')],
+            "an unknown outcome of a read": [records.format(failed, '"error": "unknown_outcome", "retryable": false')],
+            "arguments that are not a dict": [records.format('"arguments": {"partition": "south"}', '"arguments": [1]')],
+            "rounds not paid for": ["UPDATE agent_loop_runs SET state = json_set(state, '$.used.credits', 3)"],
+            "a success not counted": ["UPDATE agent_loop_runs SET state = json_set(state, '$.used.calls', 0)"],
+            "a stop with no status": ["INSERT INTO agent_loop_events VALUES ('job', -1, '{\"event\": \"stop\", "
+                                      "\"status\": \"banana\"}')"],  # (first: the last is the run's end)
+            "an end that is not its stop's": ["UPDATE agent_loop_runs SET status = 'round_limit'"],
+            "a write without its call": ["INSERT INTO agent_loop_events VALUES ('job', -1, '{\"event\": \"write\"}')"],
+            "an approval of a list": ["INSERT INTO agent_loop_events VALUES ('job', -1, '{\"event\": \"approval\", "
+                                      "\"call_id\": [1], \"decision\": \"approve\"}')"],
+            "a cut batch past the budget": [*unended, "UPDATE agent_loop_records SET body = json_set(body, "
+                                            "'$.observations', json('[]')) WHERE round = 3",
+                                            "UPDATE agent_loop_runs SET state = json_set(state, '$.used.calls', 5)"],
+        }
+        for why, statements in tamperings.items():
+            with self.subTest(why=why):
+                copy_path = os.path.join(os.path.dirname(path), "tampered.db")
+                with contextlib.closing(sqlite3.connect(copy_path)) as target:
+                    store.db.backup(target)
+                    for statement in statements:
+                        self.assertGreater(target.execute(statement).rowcount, 0, statement)
+                    target.commit()
+                with agent_loop.SqliteStore(copy_path) as tampered, self.assertRaises(ValueError) as raised:
+                    await run_agent(store=tampered, run_id="job", limits=ROOMY)
+                self.assertEqual(str(raised.exception), "job: what the store holds for it is not a run this version saved")
+                os.remove(copy_path)
+        base = [*unended, "UPDATE agent_loop_records SET body = json_set(body, '$.observations', json('[]')) "
+                          "WHERE round = 3", "UPDATE agent_loop_runs SET state = json_set(state, '$.used.calls', 3)"]
+        with contextlib.closing(sqlite3.connect(os.path.join(os.path.dirname(path), "cut.db"))) as target:
+            store.db.backup(target)
+            for statement in base:  # the same cut, within the budget: a crash's, resumed
+                target.execute(statement)
+            target.commit()
+        with agent_loop.SqliteStore(os.path.join(os.path.dirname(path), "cut.db")) as cut:
+            resumed = await run_agent(store=cut, run_id="job", limits=ROOMY)
+            self.assertEqual(resumed["history"][2]["observations"][0]["error"], "interrupted")  # (then out of credits)
 
     async def test_a_store_with_its_tables_broken_is_not_a_store(self):
         folder = self.folder()
