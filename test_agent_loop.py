@@ -6792,23 +6792,25 @@ class WriteTests(RuntimeTestCase):
         class Boom(BaseException):
             pass
 
-        for raised in (asyncio.CancelledError, GeneratorExit, Boom, agent_loop.Stop("deadline")):  # (not ^C: it leaves)
+        async def run(raised):
+            class Raising(agent_loop.OrderDesk):
+                calls = 0
+
+                async def reconcile(self, call):
+                    self.calls += 1
+                    if self.calls > 1:  # on resume
+                        raise raised
+                    return None
+
+            store, limits = self.store(), dataclasses.replace(ROOMY, tool_seconds=0.2)
+            desk = Raising(delays={}, failures={"place_order": ["timeout_after_apply"]})
+            paused = await self.order(store, desk, approve=lambda write: "approve", limits=limits)
+            return paused["status"], (await self.order(store, desk, limits=limits))["status"], desk.calls
+
+        raising = (asyncio.CancelledError, GeneratorExit, Boom, agent_loop.Stop("deadline"))  # (not ^C: it leaves)
+        for raised, outcome in zip(raising, await asyncio.gather(*map(run, raising))):
             with self.subTest(raised=raised):
-                class Raising(agent_loop.OrderDesk):
-                    calls = 0
-
-                    async def reconcile(self, call):
-                        type(self).calls += 1
-                        if type(self).calls > 1:  # on resume
-                            raise raised
-                        return None
-
-                store, limits = self.store(), dataclasses.replace(ROOMY, tool_seconds=0.2)
-                desk = Raising(delays={}, failures={"place_order": ["timeout_after_apply"]})
-                paused = await self.order(store, desk, approve=lambda write: "approve", limits=limits)
-                again = await self.order(store, desk, limits=limits)
-                self.assertEqual((paused["status"], again["status"], Raising.calls),
-                                 ("unknown_outcome", "unknown_outcome", 2))
+                self.assertEqual(outcome, ("unknown_outcome", "unknown_outcome", 2))
 
     async def test_decisions_given_to_an_ended_run_must_be_the_ones_it_had(self):
         store = self.store()
@@ -6879,15 +6881,19 @@ class WriteTests(RuntimeTestCase):
     async def test_what_reconcile_says_counts_only_as_plain_data(self):
         odd = [{"applied": True, "data": data}
                for data in (datetime.datetime(2026, 1, 1), decimal.Decimal("1.5"), object(), (1, 2), math.nan)]
-        for said in (*odd, {"applied": 0}, {"applied": 0.0}, {"applied": False, "data": 1}, {"applied": 1}):
-            with self.subTest(said=repr(said)):
-                class Odd(agent_loop.OrderDesk):
-                    async def reconcile(self, call):
-                        return said
+        answers = (*odd, {"applied": 0}, {"applied": 0.0}, {"applied": False, "data": 1}, {"applied": 1})
 
-                desk = Odd(delays={}, failures={"place_order": ["timeout_after_apply"]})
-                result = await self.order(self.store(), desk, approve=lambda write: "approve",
-                                          limits=dataclasses.replace(ROOMY, tool_seconds=0.2))
+        async def run(said):
+            class Odd(agent_loop.OrderDesk):
+                async def reconcile(self, call):
+                    return said
+
+            desk = Odd(delays={}, failures={"place_order": ["timeout_after_apply"]})
+            return await self.order(self.store(), desk, approve=lambda write: "approve",
+                                    limits=dataclasses.replace(ROOMY, tool_seconds=0.2))
+
+        for said, result in zip(answers, await asyncio.gather(*map(run, answers))):  # side by side: their waits overlap
+            with self.subTest(said=repr(said)):
                 self.assertEqual((result["status"], order_errors(result)), ("unknown_outcome", ["unknown_outcome"]))
 
     async def test_empty_decisions_turn_no_write_on(self):
