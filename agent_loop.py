@@ -2819,11 +2819,9 @@ class _Journal(_Unsaved):
     def _renew(self):
         try:
             self.store.renew(self.run_id, self.generation)
-        except Superseded as error:  # fenced: the run stops at its next step, and renews nothing more
+        except Exception as error:  # fenced, or the store failed: the run stops at its next step, renewing no more
             self.lost = _lost(error)
             return
-        except Exception:  # the database's own error (a lock held a while): tried again; a save that fails says so
-            pass
         self._renew_later()
 
     def close(self):
@@ -2978,8 +2976,8 @@ class SqlStore(Store):
 
     A lease: a claim holds its run for lease_seconds (30 by default) on the store's clock (time.time: workers on
     several machines need their clocks in sync), held by this store object. Each save renews it, and a running run
-    renews it in the background every third of it (a renewal the database failed is tried again: the save says);
-    a run that ends, or pauses (PART 14), lets it go, unless its task was cancelled while a write ran. A save, a
+    renews it in the background every third of it (a renewal that fails stops the run, never tried again); a run
+    that ends, or pauses (PART 14), lets it go, unless its task was cancelled while a write ran. A save, a
     renewal or a call started after the lease ran out is refused: Superseded "lease_expired", or "stale" once
     another worker has claimed the run.
 
