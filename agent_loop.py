@@ -2919,7 +2919,7 @@ def _a_saved_run(saved, registry, limits):
         if not (_has_keys(record, {"round", "calls", "observations"}) and type(record["calls"]) is list
                 and type(record["observations"]) is list and len(record["observations"]) <= len(record["calls"])
                 and all(_has_keys(item, CALL_KEYS) and type(item["call_id"]) is str and type(item["name"]) is str
-                        and type(item["arguments"]) is dict for item in record["calls"])
+                        for item in record["calls"])
                 and all(type(obs) is dict and obs.get("call_id") == item["call_id"] and type(obs.get("ok")) is bool
                         for obs, item in zip(record["observations"], record["calls"]))):
             return False
@@ -2935,8 +2935,8 @@ def _a_saved_run(saved, registry, limits):
     if any(error is not None and error not in STOP_STATUSES for error in fatal):
         return False  # the first failure of a round that the model may not retry is the status it stops with
     cut = history[-1]["calls"][len(history[-1]["observations"]):] if history else []
-    if any(item["name"] not in registry for item in cut):
-        return False  # a cut batch's calls passed preflight: they are tools of this registry
+    if any(item["name"] not in registry or type(item["arguments"]) is not dict for item in cut):
+        return False  # a cut batch's calls passed preflight: calls of this registry's tools (a refused one may not)
     if used["calls"] + len(cut) > limits.calls or \
             used["credits"] + sum(registry[item["name"]].cost for item in cut) > limits.credits:
         return False  # and the budgets admitted them: charged whole, they still fit

@@ -6078,7 +6078,10 @@ class SavedRunTests(RuntimeTestCase):
             "a failure not to retry that is no status": [records.format(failed, '"error": "batch_aborted", '
                                                                                  '"retryable": false')],
             "an unknown outcome of a read": [records.format(failed, '"error": "unknown_outcome", "retryable": false')],
-            "arguments that are not a dict": [records.format('"arguments": {"partition": "south"}', '"arguments": [1]')],
+            "a cut call whose arguments are not a dict": [
+                *unended, "UPDATE agent_loop_records SET body = json_set(json_set(body, '$.observations', json('[]')), "
+                          "'$.calls[0].arguments', json('[1]')) WHERE round = 3",
+                "UPDATE agent_loop_runs SET state = json_set(state, '$.used.calls', 3)"],
             "rounds not paid for": ["UPDATE agent_loop_runs SET state = json_set(state, '$.used.credits', 3)"],
             "a success not counted": ["UPDATE agent_loop_runs SET state = json_set(state, '$.used.calls', 0)"],
             "a stop with no status": ["INSERT INTO agent_loop_events VALUES ('job', -1, '{\"event\": \"stop\", "
@@ -6113,6 +6116,25 @@ class SavedRunTests(RuntimeTestCase):
         with agent_loop.SqliteStore(os.path.join(os.path.dirname(path), "cut.db")) as cut:
             resumed = await run_agent(store=cut, run_id="job", limits=ROOMY)
             self.assertEqual(resumed["history"][2]["observations"][0]["error"], "interrupted")  # (then out of credits)
+
+    async def test_a_run_with_a_refused_call_of_any_shape_observed_resumes_and_returns_its_end(self):
+        bad = {"call_id": "bad", "name": "read_partition", "arguments": ["north"]}  # not a dict: refused, observed
+        store, hold = self.store(), asyncio.Event()
+
+        async def model(history):
+            if history:
+                await hold.wait()  # round 2: the crash comes while the model thinks
+            return calls(bad) if not history else final(1)
+
+        options = dict(store=store, limits=ROOMY, on_refused="observe", accept=never_accept)
+        task = asyncio.create_task(run_agent(model, run_id="cut", **options))
+        await wait_until(lambda: store.load("cut") and store.load("cut")["history"])
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        hold.set()
+        resumed = await run_agent(model, run_id="cut", **options)
+        self.assertEqual((resumed["status"], resumed["history"][0]["calls"][0]["arguments"]), ("invalid_final", ["north"]))
+        self.assertEqual(await run_agent(model, run_id="cut", **options), resumed)  # ended: its stored result
 
     async def test_a_store_with_its_tables_broken_is_not_a_store(self):
         folder = self.folder()
