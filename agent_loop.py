@@ -2741,13 +2741,14 @@ class _Journal(_Unsaved):
 
     def _load(self):
         """The run as saved, checked: ValueError for one of another version or config, or that is not such data."""
-        saved = self._asked(self.store.load, self.run_id)
-        self.unresumable = saved is not None and not _a_saved_run(saved, self.registry, self.limits)
-        if self.unresumable:
-            raise ValueError(f"{self.run_id}: what the store holds for it is not a run this version saved")
-        self.unresumable = saved is not None and saved["config"] != self.config
-        if self.unresumable:
-            raise ValueError(f"{self.run_id}: saved with another registry or other limits")
+        saved, why = self._asked(self.store.load, self.run_id), None
+        if saved is not None and not _a_saved_run(saved, self.registry, self.limits):
+            why = "what the store holds for it is not a run this version saved"
+        elif saved is not None and saved["config"] != self.config:
+            why = "saved with another registry or other limits"
+        self.unresumable = why is not None  # a pool sets such a run aside (SqlStore.give_back)
+        if why:
+            raise ValueError(f"{self.run_id}: {why}")
         return saved
 
     def _check(self, saved):
@@ -2984,16 +2985,17 @@ class SqlStore(Store):
     The queue: add(run_id) records a run that has not started; claim_next() leases the oldest unfinished run that no
     live lease holds and that no pause holds (never started, crashed and past its lease, or let go) and returns its
     id, or None; run_agent(..., store=store, run_id=that_id) runs it under that lease (one it refuses with a
-    ValueError is given back; set aside, waiting for you, if it was saved with another registry or other limits). A run claimed by name instead
-    is taken over at once, its holder fenced. SQLite keeps a writer at a time; PostgreSQL's claims skip the rows that
-    another claim has locked (see _DIALECTS, all that differs between them). Durability is the database's: SQLite's
+    ValueError is given back; set aside, waiting for you, if it was saved with another registry or other limits, or
+    is not a run it saved). A run claimed by name instead is taken over at once, its holder fenced. SQLite keeps a
+    writer at a time; PostgreSQL's claims skip the rows that another claim has locked (see _DIALECTS, all that
+    differs between them). Durability is the database's: SQLite's
     here (the write-ahead log, synchronous=FULL), PostgreSQL's own (synchronous_commit)."""
 
     def __init__(self, connection, lease_seconds=30.0, clock=time.time):
         if type(lease_seconds) not in (int, float) or not 0.1 <= lease_seconds <= 86_400:
             # Shorter, a lease could run out between a claim and the run's first save, every time.
             raise ValueError("lease_seconds must be a number of seconds from 0.1 to a day")
-        if not callable(clock) or type(_asked_clock(clock)) is not float:
+        if not callable(clock) or not _gives_seconds(clock):
             raise ValueError("clock must be a function of no arguments that gives seconds, such as time.time")
         made = _driver_of(connection) is None and callable(connection)
         try:
@@ -3192,13 +3194,13 @@ class SqlStore(Store):
         self.close()
 
 
-def _asked_clock(clock):
-    """What the clock says, as a float, or None if it is not a finite number of seconds."""
+def _gives_seconds(clock):
+    """True if the clock, asked once, says a finite number of seconds."""
     try:
         now = clock()
     except Exception:
-        return None
-    return float(now) if type(now) in (int, float) and math.isfinite(now) else None
+        return False
+    return type(now) in (int, float) and math.isfinite(now)
 
 
 def _driver_of(connection):
@@ -3270,8 +3272,8 @@ _DIALECTS = {
 
 class SqliteStore(SqlStore):
     """A store in an SQLite file of its own (or ":memory:", for tests), opened on the standard library's sqlite3: a
-    file with tables, and none of them a store's, is refused. The workers that share it share one machine (the write-ahead
-    log needs that). Close it when done, or use it in a with block."""
+    file with tables, and none of them a store's, is refused. The workers that share it share one machine (the
+    write-ahead log needs that). Close it when done, or use it in a with block."""
 
     def __init__(self, path, lease_seconds=30.0, clock=time.time):
         self.path = self._name = path
@@ -3517,7 +3519,8 @@ class _WriteJournal(_Journal):
         check, reconcile = (getattr(type(self.tools), name, None) for name in ("check_writes", "reconcile"))
         if check is not None and (self.approve is not None or self.decisions or wrote):
             check(self.tools, sorted(self.writes))
-        if reconcile is not None and _is_async(reconcile) is False and (self.approve is not None or self.decisions or wrote):
+        if reconcile is not None and _is_async(reconcile) is False and (
+                self.approve is not None or self.decisions or wrote):
             raise ValueError("reconcile: the tools' reconcile must be async (FunctionTools takes a plain function)")
         paused = saved is not None and self._paused_for_approval(saved)
         decided = self._decided(saved) if saved else {}
