@@ -1,18 +1,16 @@
 """A small asyncio runtime that runs a model's tool calls under budgets, time limits and an independent final check.
 
     python3 agent_loop.py demo        # the normal run, then a run where north fails once
-    python3 agent_loop.py scenarios   # one small run per stop status
-    python3 agent_loop.py bench       # what parallel batches and bounded waits buy, what the runtime costs
-    python3 agent_loop.py demo --timeline   # each demo run drawn on a time axis (--svg FILE for a browser)
+    python3 agent_loop.py --help      # every command of the module: the scenarios, the bench, the later parts'
     python3 -m unittest               # the tests
 """
 
 import argparse
 import asyncio
-import dataclasses
 import concurrent.futures
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -24,8 +22,8 @@ import platform
 import re
 import sqlite3
 import statistics
-import tempfile
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -60,14 +58,9 @@ def valid_rows(rows):
     """Return True if rows is a list of 1 to 4 inventory rows of exact types, with no sku twice."""
     if type(rows) is not list or not 1 <= len(rows) <= 4:
         return False
-    seen = set()
-    for row in rows:
-        if not _has_keys(row, ROW_KEYS) or type(row["sku"]) is not str or row["sku"] not in SKUS:
-            return False
-        if row["sku"] in seen or not all(_amount(row[key]) for key in ("stock", "target", "unit_cents")):
-            return False
-        seen.add(row["sku"])
-    return True
+    exact = all(_has_keys(row, ROW_KEYS) and type(row["sku"]) is str and row["sku"] in SKUS
+                and all(_amount(row[key]) for key in ("stock", "target", "unit_cents")) for row in rows)
+    return exact and len({row["sku"] for row in rows}) == len(rows)
 
 
 def valid_args(name, args):
@@ -89,13 +82,17 @@ def make_plan(rows):
 
 @dataclass(frozen=True)
 class ToolSpec:
-    """One tool's declaration: its cost, permissions, how its arguments are checked, and what the model is told."""
+    """One tool's declaration: its cost, permissions, argument checks, what the model is told, and how its calls run."""
     cost: int
     read_only: bool
     parallel_safe: bool
     validate: Callable[[dict], bool] | None = None  # your own check of the arguments, for what a schema cannot say
     description: str = ""  # what the model is told the tool does
     parameters: dict | None = None  # the JSON Schema of the arguments object, checked in preflight
+    seconds: float | None = None  # each attempt's own time limit, in place of Limits.tool_seconds
+    retries: int = 0  # a read's further attempts after a transient failure, unseen by the model (PART 4's tail)
+    backoff: tuple = (0.1, 2.0)  # (base, cap): before retry r, a random wait of up to min(cap, base * 2 ** (r - 1))
+    job: bool = False  # its work is a durable job, submitted to the run's store (PART 13)
 
     @cached_property
     def _schema_check(self):  # the parameters, read once per ToolSpec (PART 1's tail)
@@ -109,13 +106,11 @@ def _closed(**properties):  # a JSON Schema object of exactly these properties, 
 _AMOUNT = {"type": "integer", "minimum": 0, "maximum": MAX_AMOUNT}
 # The inventory tools. valid_args, their validate, also checks what no schema here can say: no sku twice.
 TOOLS = {
-    "read_partition": ToolSpec(
-        2, True, True, validate=partial(valid_args, "read_partition"),
-        description="Read one inventory partition: each row's sku, stock, target and unit price in cents.",
+    "read_partition": ToolSpec(2, True, True, validate=partial(valid_args, "read_partition"), description=(
+        "Read one inventory partition: each row's sku, stock, target and unit price in cents."),
         parameters=_closed(partition={"type": "string", "enum": list(DATA)})),
-    "compute_plan": ToolSpec(
-        4, True, False, validate=partial(valid_args, "compute_plan"),
-        description="Compute the restock plan (target minus stock, in integer cents) for 1 to 4 rows.",
+    "compute_plan": ToolSpec(4, True, False, validate=partial(valid_args, "compute_plan"), description=(
+        "Compute the restock plan (target minus stock, in integer cents) for 1 to 4 rows."),
         parameters=_closed(rows={"type": "array", "minItems": 1, "maxItems": 4, "items": _closed(
             sku={"type": "string", "enum": list(SKUS)}, stock=_AMOUNT, target=_AMOUNT, unit_cents=_AMOUNT)})),
 }
@@ -123,7 +118,7 @@ TOOLS = {
 
 @dataclass(frozen=True)
 class Limits:
-    """The budgets of one run: rounds, tool calls, credits, attempts per call signature, and three time limits."""
+    """The budgets of one run: rounds, calls, credits, attempts per signature, calls per batch and at once, times."""
     rounds: int = 6
     calls: int = 5
     credits: int = 30
@@ -131,7 +126,10 @@ class Limits:
     tool_seconds: float = 0.2
     model_seconds: float = 0.2
     total_seconds: float = 2.0
-    approval_seconds: float = 86_400.0  # how long a run may wait for a decision on a write (PART 14): a day
+    approval_seconds: float = 86_400.0  # how long a write may wait for its approval (PART 10): a day
+    batch: int = 4  # the calls a batch may hold
+    concurrency: int = 4  # the calls of a batch in flight at once
+    job_seconds: float = 3_600.0  # each job's deadline, from when it is submitted (PART 13): an hour
 
 
 class TemporaryError(Exception):
@@ -190,27 +188,19 @@ def _is_data(value, depth=0):
     return True
 
 
-def _copy(value):
-    """An independent copy of plain data, made in C: only for what _is_data has admitted, as marshal keeps
-    every type (a bool stays a bool, a float keeps its bits) and may not be given anything from outside."""
-    return marshal.loads(marshal.dumps(value))
+_FOREIGN = object()  # what stands in a copy for an object that is not plain data: every check refuses it
 
 
-_FOREIGN = object()  # what stands in a snapshot for an object that is not plain data: every check refuses it
-
-
-def _snapshot(value, instead=None):
-    """Our own copy of a value from outside, taken before anything in it is checked, and running none of its code:
-    in C by marshal, in one step that no other thread can interleave with; for a value holding an object marshal
-    does not know, by a walk that puts `instead` in place of each thing that is not plain data, for the checks to
-    refuse, and takes each dict and list in one step. (A copy, not yet data: a tuple or a NaN is copied as it is.)"""
+def _copy(value, instead=None):
+    """An independent copy of value, made in C by marshal, which keeps every type (a bool stays a bool, a float keeps
+    its bits) and runs no code of the value's. A value holding an object marshal does not know (or nested deeper than
+    it goes) is copied by a walk that puts `instead` in place of each thing that is not a plain dict or list or atom,
+    and of what lies past MAX_DEPTH or MAX_VALUES: a decision from the model, say, whose checks refuse _FOREIGN.
+    (A copy, not yet data: a tuple or a NaN is copied as it is, for the checks to refuse.)"""
     try:
         return marshal.loads(marshal.dumps(value))
-    except Exception:  # an object marshal does not know, or nesting deeper than it goes
-        try:
-            return _marked(value, [MAX_VALUES], instead)
-        except Exception:  # it changed under the walk all the same (a dict's key set, in another thread)
-            return instead
+    except ValueError:
+        return _marked(value, [MAX_VALUES], instead)
 
 
 def _marked(value, left, instead, depth=0):
@@ -220,11 +210,11 @@ def _marked(value, left, instead, depth=0):
         return value
     if (of is dict or of is list) and depth < MAX_DEPTH and left[0] >= len(value):
         left[0] -= len(value)
-        if of is list:  # list() and dict.items() copied into a list are each one step in C: no thread interleaves
-            return [_marked(item, left, instead, depth + 1) for item in list(value)]
+        if of is list:
+            return [_marked(item, left, instead, depth + 1) for item in value]
         # A key that is not a string gets a marker of its own, so that no two of them collide.
         return {key if type(key) is str else object(): _marked(item, left, instead, depth + 1)
-                for key, item in list(value.items())}
+                for key, item in value.items()}
     _discard(value)
     return instead
 
@@ -263,9 +253,9 @@ class ToolError(Exception):
 # annotations it ignores, as JSON Schema does; the keywords it honours are those of _SCHEMA_RULES
 # below; any other keyword is refused when the run starts, so nothing in a schema goes silently unchecked.
 SCHEMA_ANNOTATIONS = (
-    "title", "description", "default", "examples", "format", "deprecated", "readOnly", "writeOnly",
-    "$schema", "$id", "$comment",
+    "title", "description", "default", "examples", "format", "deprecated", "readOnly", "writeOnly", "$id", "$comment",
 )
+DRAFT_2020_12 = "https://json-schema.org/draft/2020-12/schema"  # the one $schema a schema may name: what is checked
 
 # A schema may also be true (anything) or false (nothing) wherever a schema may stand. _prepare reads a schema once
 # (its enum made a set of keys, its pattern compiled), so checking a value costs at most its size times the schema's.
@@ -332,7 +322,9 @@ def _compile(schema, at="parameters"):
     if type(schema) is not dict:
         raise ValueError(f"{at}: must be a schema")
     for keyword, value in schema.items():
-        if keyword in SCHEMA_ANNOTATIONS or keyword.startswith("x-"):  # "x-...": a vendor's note, never a rule
+        if keyword == "$schema" and value != DRAFT_2020_12:  # another draft, or a metaschema of other vocabularies
+            raise ValueError(f"{at}.$schema: must be draft 2020-12's, {DRAFT_2020_12}")
+        if keyword in SCHEMA_ANNOTATIONS or keyword == "$schema" or keyword.startswith("x-"):  # "x-": a vendor's note
             continue
         if keyword not in _SCHEMA_RULES:
             raise ValueError(f"{at}: unsupported keyword {keyword}")
@@ -522,34 +514,36 @@ class Fixtures:
             self.finished.append(cid)
 
 
-async def bounded(factory, seconds, cancel):
+async def bounded(factory, seconds, cancel, *, cancel_wait=None):
     """Return the result of factory() run as a task, unless `seconds` pass first or `cancel` is set."""
     if not _a_time_limit(seconds):
         raise ValueError("seconds must be a finite number > 0")
     if cancel.is_set():
         raise Stop("cancelled")
-    cancel_wait = asyncio.create_task(asyncio.Event.wait(cancel))  # the class's wait: an instance cannot replace it
-    try:
-        return await _bounded(factory, seconds, cancel, cancel_wait)
-    finally:
-        await _settle(cancel_wait)
 
+    async def awaited():
+        return await factory()  # called inside the job: whatever it raises, even at once, is the job's outcome
 
-async def _bounded(factory, seconds, cancel, cancel_wait):
-    """bounded(), given the task that waits on the cancel event: run_agent keeps one for the whole run."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + seconds
-    job = asyncio.create_task(_await(factory))
+    own = [] if cancel_wait else [asyncio.create_task(cancel.wait())]  # run_agent keeps one for all of its waits
+    loop, cancel_wait = asyncio.get_running_loop(), cancel_wait or own[0]
+    end, job = loop.time() + seconds, asyncio.create_task(awaited())
     try:
-        await _first(job, cancel_wait, seconds)  # the job ends, the cancel event is set, or the time is up
-        if _was_set(cancel, cancel_wait):  # a set cancel wins, even over a job that also finished
+        await asyncio.wait((job, cancel_wait), timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        if cancel_wait.done() or cancel.is_set():  # a set cancel wins, even over a job that also finished
+            if cancel_wait.done():
+                cancel_wait.result()  # a wait on the event that failed raises what it raised: it is no cancel
             raise Stop("cancelled")
         # A job that held the loop past its limit (a slow copy, a blocking call) finished late, not within it.
         if not job.done() or loop.time() > end:
             raise TimeoutError
-        return _outcome(job)
+        raised = asyncio.CancelledError() if job.cancelled() else job.exception()  # (cancelled by nobody but itself)
+        # Stop is the runtime's own signal, and a BaseException such as GeneratorExit would end the run's task:
+        # raised by the job, either is the job's fault, and the run goes on to say so.
+        if raised is not None and (isinstance(raised, Stop) or not isinstance(raised, Exception)):
+            raise _Fault(type(raised))
+        return job.result()
     finally:
-        await _settle(job)  # no task outlives the call: what still runs is cancelled and awaited
+        await _settle(job, *own)  # no task outlives the call: what still runs is cancelled and awaited
 
 
 def call(cid, name="read_partition", **args):
@@ -595,14 +589,11 @@ def scripted(*decisions):
     return model
 
 
-# PART 2, hard cases: a cancel that wins its race, a wait that failed, a job that raised what it should not
-
-_CANCEL_WAIT_FAILED = "cancel event"  # the error_type of a wait on the cancel event that failed
-
+# PART 2, hard cases: a wait bounded on every side, and a job that raised what the runtime must not take as raised
 
 class _Fault(Exception):
-    """A job's failure that cannot be passed on as it was raised; it keeps the class of what was raised (or
-    _CANCEL_WAIT_FAILED), never the message."""
+    """A job's failure that cannot be passed on as it was raised: it keeps the class of what was raised, never the
+    message."""
 
     def __init__(self, raised):
         super().__init__(raised)
@@ -615,50 +606,6 @@ def _a_time_limit(seconds):
         return type(seconds) in (int, float) and math.isfinite(seconds) and seconds > 0
     except OverflowError:  # an int too large for a float
         return False
-
-
-def _was_set(cancel, cancel_wait):
-    """True if the cancel event is set, or was set since cancel_wait began: a set() undone at once still cancels."""
-    return cancel.is_set() or cancel_wait.done() and not cancel_wait.cancelled() and cancel_wait.exception() is None
-
-
-async def _first(job, cancel_wait, seconds):
-    """Wait until the job ends, the cancel wait ends, or `seconds` pass: asyncio.wait(FIRST_COMPLETED), pared down."""
-    loop = asyncio.get_running_loop()
-    woken = loop.create_future()
-
-    def wake(_=None):
-        if not woken.done():
-            woken.set_result(None)
-
-    timer = loop.call_later(seconds, wake)
-    job.add_done_callback(wake)
-    cancel_wait.add_done_callback(wake)
-    try:
-        await woken
-    finally:
-        timer.cancel()
-        job.remove_done_callback(wake)
-        cancel_wait.remove_done_callback(wake)
-    if cancel_wait.done() and (cancel_wait.cancelled() or cancel_wait.exception() is not None):
-        raise _Fault(_CANCEL_WAIT_FAILED)  # the wait on the cancel event failed: neither a cancel nor a timeout
-
-
-def _outcome(job):
-    """The finished job's result, or what it raised: as raised, unless the runtime must not take it as raised."""
-    if job.cancelled():  # nobody cancelled the job: it raised CancelledError by itself
-        raise _Fault(asyncio.CancelledError)
-    raised = type(job.exception())  # type(), not isinstance: an object's __class__ may run its code
-    if raised is not type(None) and (issubclass(raised, Stop) or not issubclass(raised, Exception)):
-        # Stop is the runtime's own signal, and a BaseException such as GeneratorExit would end the run's task:
-        # raised by the job, either is the job's fault, and the run goes on to say so.
-        raise _Fault(raised)
-    return job.result()
-
-
-async def _await(factory):
-    # factory() runs inside the job, so whatever it raises, even at once, is the job's outcome.
-    return await factory()
 
 
 async def _settle(*tasks):
@@ -686,19 +633,19 @@ CALL_KEYS = {"call_id", "name", "arguments"}
 MODEL_COST = 3  # credits for one model decision, paid before the model is asked
 
 
-def preflight(batch, used_ids, attempts, registry, limits):
+def preflight(batch, used_ids, attempts, registry, limits, *, writes=False, authorize=None):
     """Check a whole batch before any tool starts: return its (ids, signatures), or raise Stop at the first fault."""
     if type(batch) is not list:
         raise Stop("invalid_batch", reason="calls must be a list")
-    if not 1 <= len(batch) <= 4:
-        raise Stop("invalid_batch", reason="at most 4 calls" if batch else "no calls")
+    if not 1 <= len(batch) <= limits.batch:
+        raise Stop("invalid_batch", reason=f"at most {limits.batch} calls" if batch else "no calls")
     ids, signatures = set(), Counter()
     for item in batch:
-        _admit(item, ids, signatures, used_ids, attempts, registry, limits)
+        _admit(item, ids, signatures, used_ids, attempts, registry, limits, writes, authorize)
     return ids, signatures
 
 
-def _admit(item, ids, signatures, used_ids, attempts, registry, limits):
+def _admit(item, ids, signatures, used_ids, attempts, registry, limits, writes=False, authorize=None):
     """Check one call of a batch, in order; add its id to ids and its signature to signatures, or raise Stop."""
     if not _has_keys(item, CALL_KEYS):
         raise Stop("invalid_call", reason="a call is a dict of exactly call_id, name and arguments")
@@ -710,12 +657,14 @@ def _admit(item, ids, signatures, used_ids, attempts, registry, limits):
     ids.add(cid)
     if type(name) is not str or name not in registry:
         raise Stop("unknown_tool", **_about(cid, name), reason="no tool of that name")
-    if registry[name].read_only is not True:
+    if authorize and (refused := authorize(name)):  # a later part's gate, as (status, reason): a catalog's (PART 12)
+        raise Stop(refused[0], **_about(cid, name), reason=refused[1])
+    if registry[name].read_only is not True and not writes:  # with writes, a gate decides if a write runs (PART 10)
         raise Stop("permission_denied", **_about(cid, name), reason="the tool is not read-only")
     reason = _argument_error(name, registry[name], args)
     if reason:
         raise Stop("invalid_arguments", **_about(cid, name), reason=reason)
-    signature = canonical([name, args])  # a fresh call id does not make a new attempt
+    signature = _signature(name, args)
     signatures[signature] += 1
     if attempts.get(signature, 0) + signatures[signature] > limits.attempts:
         raise Stop("repeat_limit", **_about(cid, name),
@@ -751,7 +700,6 @@ def accepted(answer, history):
             items.append({"sku": row["sku"], "qty": short, "cents": short * row["unit_cents"]})
     items.sort(key=lambda item: item["sku"])
     expected = canonical({"snapshot": SNAPSHOT, "items": items, "total_cents": sum(i["cents"] for i in items)})
-
     evidence = canonical({"rows": rows})
     plans = [obs for obs in _successes(history) if obs["name"] == "compute_plan"]
     if not any(canonical(obs["arguments"]) == evidence and canonical(obs["data"]) == expected for obs in plans):
@@ -782,162 +730,246 @@ def _argument_error(name, spec, args):
         if reason:
             return reason
     if spec.validate is not None:  # your own check, for what a schema cannot say; it gets a copy to keep
-        return None if _passes(spec.validate, _copy(args)) else "refused by validate"
+        return None if _plain_call(spec.validate, _copy(args)) is True else "refused by validate"
     if spec.parameters is None:  # the article's ToolSpec(cost, read_only, parallel_safe): valid_args decides
         return None if valid_args(name, args) else "refused by valid_args"
     return None
 
 
-def _passes(check, *args):
-    """True only if check(*args) returns True; a check that raises, whatever it raises, has not passed."""
+_FAILED = object()  # what _plain_call returns for a function that raised
+
+
+def _plain_call(function, *args):
+    """What a plain function of yours (a check, a policy) returned, or _FAILED if it raised: whatever it raised, even
+    a CancelledError (a plain function cannot be cancelled, so it is its own fault), but ^C and SystemExit."""
     try:
-        verdict = check(*args)
+        result = function(*args)
     except (KeyboardInterrupt, SystemExit):
         raise
-    except BaseException:  # even a CancelledError: a plain function cannot be cancelled, so it is its fault
-        return False
-    _discard(verdict)  # a plain function that returned a coroutine: it is not awaited, and not left pending
-    return verdict is True
+    except BaseException:
+        return _FAILED
+    _discard(result)  # a plain function that returned a coroutine: it is not awaited, and not left pending
+    return result
 
 
 # PART 4: run_agent: budgets, dispatch, observation history, stop states
 
-# Every way a run can end, and the errors that only ever appear on one call's observation.
+# Every way a run of the article's runtime can end, and the errors that only ever appear on one call's observation.
+# A later part declares those it adds (Part.statuses, Part.errors): every_status() and every_error() give them all.
 STOP_STATUSES = (
     "completed", "round_limit", "call_limit", "credit_limit", "deadline", "cancelled", "model_timeout",
     "model_exception", "invalid_decision", "invalid_final", "invalid_batch", "invalid_call", "invalid_call_id",
     "duplicate_call_id", "unknown_tool", "permission_denied", "invalid_arguments", "repeat_limit", "tool_exception",
 )
 OBSERVATION_ERRORS = ("temporary", "tool_timeout", "batch_aborted", "tool_error")
-REFUSAL_POLICIES = {"stop": lambda *refused: None}  # a refused batch -> the round it becomes, or None: the run stops
 
 
-async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None, registry=None, accept=accepted,
-                    on_refused="stop", on_event=None, store=None, run_id=None, approve=None, decisions=None):
-    """Run decisions and tool batches until an answer passes the final check or a rule stops the run.
+@dataclass(eq=False)
+class Run:
+    """One run, as the loop and the later parts' seams share it: what it was given, and what it has done so far."""
+    limits: Limits
+    registry: dict  # the tools its batches may call
+    tools: object  # what runs a call: your fixtures, or what a later part wraps them in
+    cancel: asyncio.Event
+    on_event: Callable | None = None  # a watcher of each event
+    accept: Callable = accepted  # the final check
+    refusal: Callable | None = None  # what a refused batch becomes (a round, or None: the run stops), if not the end
+    parts: tuple = ()  # the later parts it meets at its seams, in order: the article's run meets none
+    deadline: float = math.inf  # on the loop's clock
+    used: dict = field(default_factory=lambda: {"rounds": 0, "calls": 0, "credits": 0})
+    history: list = field(default_factory=list)  # a {"round", "calls", "observations"} per round
+    trace: list = field(default_factory=list)  # its events
+    ids: set = field(default_factory=set)  # the ledger: every call id it has used, in any round
+    attempts: Counter = field(default_factory=Counter)  # how often each call signature was admitted
+    writes: bool = False  # a gate decides whether each write runs (PART 10): preflight lets writes through
+    authorize: Callable | None = None  # a later part's check of each call, in preflight (PART 12)
+    cancel_wait: asyncio.Task | None = None  # one wait on the cancel event, for every wait of the run
 
-    Returns a copy of {"status": one of STOP_STATUSES, "answer": None unless completed, "used": {"rounds", "calls",
-    "credits"}, "history": a {"round", "calls", "observations"} per round, "trace": its events}. Each event counts
-    what was used so far: "decision" (its "kind"), "observations" (the "ids" in request order, "parallel"), "stop"
-    (the "status"; a failed run's says why: "call_id", "name", "reason", "error_type", or the "rejected" answer).
-    The other arguments are seams for a watcher and later parts: see _checked_run."""
-    loop = asyncio.get_running_loop()
-    limits, cancel, registry, tools, journal = _checked_run(loop, model, limits, fixtures, cancel, registry, accept,
-                                                            on_refused, on_event, store, run_id, approve, decisions)
-    deadline = loop.time() + limits.total_seconds - journal.elapsed  # a resumed run's time counts from its start
-    used = {"rounds": 0, "calls": 0, "credits": 0}
-    history, trace = [], []
-    used_ids, attempts = set(), Counter()
-
-    def time_left():  # raise Stop if the run is cancelled or past its deadline; else return the seconds left
-        if _was_set(cancel, cancel_wait):
+    def time_left(self):
+        """The seconds left; Stop("cancelled") once the run is cancelled, Stop("deadline") once none are left."""
+        if self.cancel.is_set() or self.cancel_wait.done():  # a cancel set and cleared at once still cancels
             raise Stop("cancelled")
-        left = deadline - loop.time()
+        left = self.deadline - asyncio.get_running_loop().time()
         if left <= 0:
             raise Stop("deadline")
         return left
 
-    async def watch(event):  # hand a copy to the watcher, if any, bounded like every wait of the run
-        await _watch(on_event, event, min(limits.tool_seconds, deadline - loop.time()), cancel, cancel_wait)
+    async def wait(self, factory, seconds):
+        """factory()'s result, bounded by `seconds` cut to the time left, and by the run's cancel event."""
+        return await bounded(factory, min(seconds, self.time_left()), self.cancel, cancel_wait=self.cancel_wait)
 
-    async def emit(event):  # trace the event, save it if it ends a step, then let the watcher see it
-        trace.append(event)
-        journal.saw(event)
-        await watch(event)
+    async def seam(self, name, value=None, *args):
+        """What the later parts the run meets make of value at the seam `name`, each in turn that has it (see Part)."""
+        for part in self.parts:
+            seam = getattr(part, name, None)
+            if seam is not None:
+                value = await seam(self, value, *args)
+        return value
 
-    async def wait(factory):  # a wait of the run's for a later part: tool_seconds at most, cut to the time left
-        return await _bounded(factory, min(limits.tool_seconds, time_left()), cancel, cancel_wait)
+    async def emit(self, event, spent=False):
+        """Trace the event (and keep it first, if it ends a step that spends), then let the watcher see it."""
+        self.trace.append(event)
+        if spent:
+            await self.seam("spent")
+        await _watch(self, event)
 
-    async def observe(item):  # run one admitted call and return its observation; nothing it raises escapes
-        try:
-            await journal.started(item)  # the claim still holds; a write is saved as started (PART 14)
-            seconds = min(limits.tool_seconds, time_left())
-        except Stop as stop:  # overtaken by a stop: neither started nor counted
-            return _failure(item, str(stop), False)
-        used["calls"] += 1
-        used["credits"] += registry[item["name"]].cost
-        try:  # the tool gets a copy of its call: one that edits it cannot edit history
-            data = await _bounded(lambda: tools.invoke(journal.handed(item)), seconds, cancel, cancel_wait)
-        except Exception as error:
-            return _tool_failure(item, error)
-        return _success(item, data)
-
-    async def act(record, parallel):  # run an admitted batch, then continue or stop
-        record["observations"] = await journal.run_batch(record["calls"], parallel, observe, wait)
-        await emit({"event": "observations", "round": record["round"], "ids": _ids(record), "parallel": parallel,
-                    **used})
-        time_left()  # continue or stop: recoverable errors stay as observations for the next decision
-        _stop_if_fatal(record)
-
-    async def finish(status, answer=None, **why):  # the stop event and the result, saved before the watcher sees them
-        trace.append({"event": "stop", "status": status, **used, **why, **journal.named})
-        result = journal.save(_snapshot({"status": status, "answer": answer, "used": used, "history": history,
-                                         "trace": trace, **journal.named}))  # superseded if another process took it
-        await watch(result["trace"][-1])
+    async def finish(self, status, answer=None, **why):
+        """The stop event and the result, each later part's before the watcher sees it (a store saves it)."""
+        named = await self.seam("named", {})
+        self.trace.append({"event": "stop", "status": status, **self.used, **why, **named})
+        result = _copy({"status": status, "answer": answer, "used": self.used, "history": self.history,
+                        "trace": self.trace, **named})
+        result = await self.seam("end", result)
+        await _watch(self, result["trace"][-1])
         return result
 
-    cancel_wait = asyncio.create_task(asyncio.Event.wait(cancel))  # one wait on the cancel event, for the whole run
+
+async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None, registry=None, accept=accepted,
+                    on_refused="stop", on_event=None, **options):
+    """Run decisions and tool batches until an answer passes the final check or a rule stops the run.
+
+    Returns a copy of {"status": one of every_status(), "answer": None unless completed, "used": {"rounds", "calls",
+    "credits"}, "history": a {"round", "calls", "observations"} per round, "trace": its events}. Each event counts
+    what was used so far: "decision" (its "kind"), "observations" (the "ids" in request order, "parallel"), "stop"
+    (the "status"; a failed run's says why: "call_id", "name", "reason", "error_type", or the "rejected" answer).
+    accept is the final check, a plain function of copies of the answer and history; on_event, a plain or async
+    function, watches a copy of each event; on_refused names what a refused batch becomes: "stop" (the run stops)
+    or a later part's policy ("observe"); options are the later parts' (Part): store, run_id, approve, approvals
+    (PART 10), catalog, grants (PART 12)."""
+    run = await _checked_run(model, limits, fixtures, cancel, registry, accept, on_refused, on_event, options)
     try:
-        ended = await journal.resume(used, history, trace, used_ids, attempts, emit, act, wait)  # a saved run's end
+        ended = await run.seam("resume")  # a saved run put back where it stopped; an ended one, its stored result
         if ended is not None:
             return ended
-        for turn in range(used["rounds"] + 1, limits.rounds + 1):  # a resumed run goes on from the rounds it paid
+        for turn in range(run.used["rounds"] + 1, run.limits.rounds + 1):  # a resumed run goes on from what it paid
             # Decide, paid first: a decision costs its credits before the model is asked, and is never refunded.
-            time_left()
-            _within_budget(used, limits, 0, MODEL_COST, "a decision")
-            used["rounds"] += 1
-            used["credits"] += MODEL_COST
-            journal.save()  # paid: a crash from here on keeps this round and its credits spent
-            view = _snapshot(history)  # the model's own copy, made fresh every round: it cannot edit our history
-            seconds = min(limits.model_seconds, time_left())  # read after the copy, which takes time too
-            decision = await _asked(lambda: model(view), seconds, cancel, cancel_wait, time_left)
-            time_left()
+            run.time_left()
+            _within_budget(run.used, run.limits, 0, MODEL_COST, "a decision")
+            run.used["rounds"] += 1
+            run.used["credits"] += MODEL_COST
+            await run.seam("spent")  # paid: a crash from here on keeps this round and its credits spent
+            view = _copy(run.history)  # the model's own copy, made fresh every round: it cannot edit our history
+            seconds = min(run.limits.model_seconds, run.time_left())  # read after the copy, which takes time too
+            decision = _copy(await _decision(run, model, view, seconds), _FOREIGN)  # ours, at once: later edits miss
+            run.time_left()
 
             # Read the decision: a final answer, or a batch of calls that preflight admits whole.
-            decision = _snapshot(decision, _FOREIGN)  # our own copy, at once: what the model changes later is not read
             if type(decision) is not dict:
                 raise Stop("invalid_decision", reason="a decision is a dict")
-            await emit({"event": "decision", "round": turn, "kind": _kind(decision), **used})
+            await run.emit({"event": "decision", "round": turn, "kind": _kind(decision), **run.used})
+            await run.seam("offer")  # the tools a batch may call now
             try:
-                answer, batch, ids, signatures = _read(decision, used_ids, attempts, registry, limits)
+                answer, batch, ids, signatures = _read(decision, run)
             except Stop as stop:  # the refusal policy says what becomes of it: the end of the run, or a round
-                record = REFUSAL_POLICIES[on_refused](stop, decision, turn, used_ids, attempts, registry, limits)
+                record = run.refusal and run.refusal(stop, decision, turn, run)
                 if record is None:
                     raise
-                history.append(record)  # nothing ran; the model decides again, and sees why
-                await emit({"event": "refused", "round": turn, "status": str(stop), "ids": _ids(record), **stop.why,
-                            **used})
+                run.history.append(record)  # nothing ran; the model decides again, and sees why
+                await run.emit({"event": "refused", "round": turn, "status": str(stop), "ids": _ids(record),
+                                **stop.why, **run.used}, spent=True)
                 continue
 
             # The final check: an answer counts only if the independent check recomputes it from history.
             if batch is None:
                 # The check gets copies: what it does to them changes neither the answer nor history.
-                if not _passes(accept, _copy(answer), _snapshot(history)):
+                if _plain_call(run.accept, _copy(answer), _copy(run.history)) is not True:
                     raise Stop("invalid_final", rejected=answer, reason="the final check did not accept it")
                 await asyncio.sleep(0)  # one turn of the loop: the cancel wait sees a cancel set and cleared in accept
-                time_left()  # an answer accepted only after the deadline came too late
-                return await finish("completed", answer)
+                run.time_left()  # an answer accepted only after the deadline came too late
+                return await run.finish("completed", answer)
 
             # Admit: budgets and the ledger. Capacity for the whole batch, or nothing starts.
-            _within_budget(used, limits, len(batch), sum(registry[item["name"]].cost for item in batch), "the batch")
-            time_left()  # your validate functions ran on the loop: they may have used up the time
-            used_ids |= ids
-            attempts.update(signatures)
+            _within_budget(run.used, run.limits, len(batch), _cost(run.registry, batch), "the batch")
+            run.time_left()  # your validate functions ran on the loop: they may have used up the time
+            run.ids |= ids
+            run.attempts.update(signatures)
 
             # Act: in parallel only if every tool in the batch allows it; then continue, or stop.
-            history.append({"round": turn, "calls": batch, "observations": []})
-            journal.save()  # admitted: a crash from here on counts every call of the batch as started
-            await act(history[-1], all(registry[item["name"]].parallel_safe for item in batch))
-        raise Stop("round_limit", reason=f"all {limits.rounds} rounds were used")
+            run.history.append({"round": turn, "calls": batch, "observations": []})
+            await run.seam("spent")  # admitted: a crash from here on counts every call of the batch as started
+            await _act(run, run.history[-1])
+        raise Stop("round_limit", reason=f"all {run.limits.rounds} rounds were used")
     except Stop as stop:
-        stop = _came_first(stop, time_left)  # a cancel or the deadline that came before a late check's stop wins
-        return await finish(str(stop), **stop.why)
+        stop = _came_first(stop, run)  # a cancel or the deadline that came before a late check's stop wins
+        return await run.finish(str(stop), **stop.why)
     finally:
-        journal.close()
-        await _settle(cancel_wait)
+        await run.seam("close")
+        await _settle(run.cancel_wait)
 
 
-def _read(decision, used_ids, attempts, registry, limits):
+async def _act(run, record):
+    """Run the calls of an admitted batch that have no observation yet (all of a new one), once its gate has let them
+    start, in parallel only if every tool of the batch allows it; then continue, or stop."""
+    done, parallel = record["observations"], _parallel(run.registry, record["calls"])
+    calls = record["calls"][len(done):]  # (the rest of a batch that a later part goes on with)
+    gated = await run.seam("gate", None, record, calls)  # a later part's gate: observations instead, nothing starts
+    if gated is not None:
+        done += gated
+    elif parallel and len(calls) > 1:
+        async with asyncio.TaskGroup() as group:
+            running = [group.create_task(_observe(run, item)) for item in calls]
+        done += _results(calls, running)  # each task is its call's, whichever finished first: request order
+    else:
+        for item in calls:  # one by one; after a failure the model cannot retry, the rest never starts
+            aborted = done and _fatal(done[-1])
+            done.append(_failure(item, "batch_aborted", False) if aborted else await _observe(run, item))
+            await run.seam("spent")  # each observation of a serial batch kept as soon as it is known
+    await run.emit({"event": "observations", "round": record["round"], "ids": _ids(record), "parallel": parallel,
+                    **run.used}, spent=True)
+    run.time_left()  # continue or stop: recoverable errors stay as observations for the next decision
+    _stop_if_fatal(record)
+
+
+async def _observe(run, item):
+    """Run one admitted call and return its observation; nothing it raises escapes."""
+    spec = run.registry[item["name"]]
+    try:  # the tool gets a copy of its call: one that edits it cannot edit history
+        call = await run.seam("before_call", _copy(item), item)
+        seconds = min(run.limits.tool_seconds, run.time_left())
+    except Stop as stop:  # overtaken by a stop: neither started nor counted
+        return _failure(item, str(stop), False)
+    run.used["calls"] += 1
+    run.used["credits"] += spec.cost
+    try:
+        obs = _success(item, await run.wait(lambda: run.tools.invoke(call), seconds))
+    except Exception as error:
+        obs = _tool_failure(item, error)
+    return await run.seam("after_call", obs, item)
+
+
+# PART 4, hard cases: what run_agent is given, checked before the model is asked; the seams where later parts join;
+# what a tool or a watcher raised
+
+def _fatal(obs):
+    """True for an observation of a failure that the model cannot retry: the run stops with it."""
+    return not obs["ok"] and not obs["retryable"]
+
+
+def _parallel(registry, calls):
+    """True if the batch of these calls may run in parallel: every tool in it allows it (and a write never does)."""
+    return all(registry[item["name"]].parallel_safe and registry[item["name"]].read_only for item in calls)
+
+
+def _cost(registry, calls):
+    """The credits these calls cost."""
+    return sum(registry[item["name"]].cost for item in calls)
+
+
+def _signature(name, args):
+    """A call's signature: its tool and arguments, whatever its id (a fresh call id does not make a new attempt)."""
+    return canonical([name, args])
+
+
+WHY_FIELDS = ("call_id", "name", "error_type", "reason")  # what a failed call's observation says of why
+
+
+def _stop_if_fatal(record):
+    """Raise Stop for the first observation of the round, in request order, that the model cannot retry."""
+    for obs in filter(_fatal, record["observations"]):
+        raise Stop(obs["error"], **{key: obs[key] for key in WHY_FIELDS if key in obs})
+
+
+def _read(decision, run):
     """(answer, None, None, None) for a final decision, (None, calls, ids, signatures) for a batch preflight admits."""
     kind = _kind(decision)
     if kind == "final":
@@ -948,82 +980,123 @@ def _read(decision, used_ids, attempts, registry, limits):
         return decision["answer"], None, None, None
     if kind != "calls" or decision.keys() != {"kind", "calls"}:
         raise Stop("invalid_decision", reason="a decision holds kind calls and calls, or kind final and answer")
-    ids, signatures = preflight(decision["calls"], used_ids, attempts, registry, limits)
+    ids, signatures = preflight(decision["calls"], run.ids, run.attempts, run.registry, run.limits, writes=run.writes,
+                                authorize=run.authorize)
     # Each call passed; the batch as a whole must be plain data within the limits too (arguments at depth 0).
     if not _is_data(decision["calls"], depth=-2):
         raise Stop("invalid_batch", reason="the batch is not plain JSON data within the limits")
     return None, decision["calls"], ids, signatures
 
 
-WHY_FIELDS = ("call_id", "name", "error_type", "reason")  # what a failed call's observation says of why
+class Part:
+    """A later part of the module, as the core reads it: what it adds, and the seams where it joins a run.
+
+    A later part subclasses Part and declares what it adds: statuses and errors (the stop statuses and observation
+    errors; every_status() and every_error() give the module's), refusals (names for on_refused: policy(stop, decision,
+    turn, run) gives the round a refused batch becomes, or None), commands (name: (help, options(parser), async
+    run(args, parser)); a later part's replaces an earlier one of its name) and options (the run_agent keywords it
+    takes). join(run, given) makes its seams for a run given those options, or None: a run given none of a part's
+    options meets none of its seams, and the article's run meets none at all. A seam is a method named for the step
+    of the article it serves; it gets the run and a value, and returns what becomes of the value:
+      resume(None): before the first round: a saved run put back; the stored result, if it has ended;
+      spent(None): a step that spends was taken: a decision paid, a batch admitted, a call or a batch observed, a
+        refused batch recorded;
+      offer(None): before a decision is read: the tools its batch may call (run.registry), and run.authorize;
+      gate(None, record, calls): before the calls of a batch start: observations instead (none of them starts), or Stop;
+      before_call(call, item): the call as its tool gets it; a Stop: it neither starts nor counts;
+      after_call(obs, item): the call's observation, as it stands;
+      named({}): what the result and its stop event carry besides (a named run's run_id);
+      end(result): the result that run_agent returns;
+      close(None): run_agent has returned, or was cut."""
+
+    statuses = errors = options = ()
+    refusals = commands = types.MappingProxyType({})
+
+    @classmethod
+    async def join(cls, run, given):
+        """The part's seams for this run, or None; ValueError, before the model is asked, for what it cannot take."""
+        return None
+
+    @classmethod
+    def refused(cls, given):
+        """run_agent refused a run before it started (a ValueError): let go of what the part's options hold for it."""
 
 
-def _stop_if_fatal(record):
-    """Raise Stop for the first observation of the round, in request order, that the model cannot retry."""
-    for obs in record["observations"]:
-        if not obs["ok"] and not obs["retryable"]:
-            raise Stop(obs["error"], **{key: obs[key] for key in WHY_FIELDS if key in obs})
+def _declared(name):
+    """What the later parts declare under name, in the order they are defined: (item, ...), or {key: item}."""
+    kinds = Part.__subclasses__()
+    if isinstance(getattr(Part, name), tuple):
+        return tuple(item for kind in kinds for item in getattr(kind, name))
+    return {key: item for kind in kinds for key, item in getattr(kind, name).items()}
 
 
-async def _run_batch(batch, parallel, observe, wait=None):
-    """The observations of the batch, one per call in request order, whatever order the calls finish in."""
-    if parallel and len(batch) > 1:
-        async with asyncio.TaskGroup() as group:
-            running = [group.create_task(observe(item)) for item in batch]
-        return _results(batch, running)  # each task is its call's, whichever finished first
-    done = []
-    for item in batch:  # after a failure the model cannot retry, the rest of a serial batch never starts
-        fatal = done and not done[-1]["ok"] and not done[-1]["retryable"]
-        done.append(_failure(item, "batch_aborted", False) if fatal else await observe(item))
-    return done
+def every_status():
+    """Every status a run can end with: the article's (STOP_STATUSES), then each later part's."""
+    return STOP_STATUSES + _declared("statuses")
 
 
-# PART 4, hard cases: what run_agent is given, checked before the model is asked; what a tool or a watcher raised
+def every_error():
+    """Every error only a call's observation carries: the article's (OBSERVATION_ERRORS), then each later part's."""
+    return OBSERVATION_ERRORS + _declared("errors")
 
-def _checked_run(loop, model, limits, fixtures, cancel, registry, accept, on_refused, on_event, store, run_id, approve,
-                 decisions):
-    """The run's limits, cancel event, registry, tools and journal; ValueError, with a short message, for a mistake
-    in what run_agent was given, before the model is asked. The seams: on_event, a plain or async function, watches
-    each event (a copy, as it is traced); on_refused names a policy of REFUSAL_POLICIES (PART 7 adds "observe");
-    store and run_id name a run saved as it goes, to resume after a crash (PART 13)."""
+
+async def _checked_run(model, limits, fixtures, cancel, registry, accept, on_refused, on_event, options):
+    """The run, with the later parts it meets; ValueError, with a short message, for a mistake in what run_agent was
+    given, before the model is asked (and what a later part held for it, such as a lease, is let go)."""
+    kinds, joined = Part.__subclasses__(), []
+    try:
+        unknown = [name for name in options if name not in _declared("options")]
+        if unknown:
+            raise ValueError(f"{unknown[0]}: run_agent takes no such option")
+        limits = _checked_limits(limits)
+        cancel = asyncio.Event() if cancel is None else cancel
+        if type(cancel) is not asyncio.Event:
+            raise ValueError("cancel must be an asyncio.Event")
+        loop = asyncio.get_running_loop()
+        # An Event belongs to the loop that first waited on it; on any other loop every wait fails at once.
+        if getattr(cancel, "_loop", None) not in (None, loop):
+            raise ValueError("cancel belongs to another event loop")
+        if not _a_function(model):
+            raise ValueError("model must be an async function of history")
+        own_registry = registry is not None
+        registry = _checked_registry(TOOLS if registry is None else registry)
+        tools = _checked_tools(fixtures, registry if own_registry else None, accept)
+        if not _plain_function(accept):
+            raise ValueError("accept must be a plain function")
+        refusals = {"stop": None, **_declared("refusals")}
+        if type(on_refused) is not str or on_refused not in refusals:
+            raise ValueError(f"on_refused must be {' or '.join(map(repr, refusals))}")
+        if on_event is not None and not _a_function(on_event):
+            raise ValueError("on_event must be a function or None")
+        run = Run(limits, registry, tools, cancel, on_event, accept, refusals[on_refused])
+        for kind in kinds:  # last, once all else holds: a store checks what it holds for this run, then claims it
+            part = await kind.join(run, {name: options.get(name) for name in kind.options})
+            if part is not None:
+                joined.append(part)
+    except ValueError:
+        for part in joined:
+            await part.close(run, None)
+        for kind in kinds:
+            kind.refused(options)
+        raise
+    run.parts, run.deadline = tuple(joined), loop.time() + limits.total_seconds  # (a resumed run's, less its past)
+    run.cancel_wait = asyncio.create_task(cancel.wait())  # one wait on the cancel event, for the whole run
+    return run
+
+
+def _checked_limits(limits):
+    """limits, or Limits() for None; ValueError for a field that is not what it must be."""
     limits = Limits() if limits is None else limits
     if type(limits) is not Limits:
         raise ValueError("limits must be a Limits")
-    for name in ("rounds", "calls", "credits", "attempts"):
-        if type(getattr(limits, name)) is not int or getattr(limits, name) < 0:
-            raise ValueError(f"{name} must be an int >= 0")
-    for name in ("tool_seconds", "model_seconds", "total_seconds", "approval_seconds"):
+    for name, least in (("rounds", 0), ("calls", 0), ("credits", 0), ("attempts", 0), ("batch", 1),
+                        ("concurrency", 1)):
+        if type(getattr(limits, name)) is not int or getattr(limits, name) < least:
+            raise ValueError(f"{name} must be an int >= {least}")
+    for name in ("tool_seconds", "model_seconds", "total_seconds", "approval_seconds", "job_seconds"):
         if not _a_time_limit(getattr(limits, name)):
             raise ValueError(f"{name} must be a finite number > 0")
-    cancel = asyncio.Event() if cancel is None else cancel
-    if type(cancel) is not asyncio.Event:
-        raise ValueError("cancel must be an asyncio.Event")
-    # An Event belongs to the loop that first waited on it; on any other loop every wait fails at once.
-    if getattr(cancel, "_loop", None) not in (None, loop):
-        raise ValueError("cancel belongs to another event loop")
-    if not _a_function(model):
-        raise ValueError("model must be an async function of history")
-    own_registry = registry is not None
-    registry = _checked_registry(TOOLS if registry is None else registry)
-    tools = _checked_tools(fixtures, registry if own_registry else None, accept)
-    if not _plain_function(accept):
-        raise ValueError("accept must be a plain function")
-    if type(on_refused) is not str or on_refused not in REFUSAL_POLICIES:
-        raise ValueError(f"on_refused must be {' or '.join(map(repr, REFUSAL_POLICIES))}")
-    if on_event is not None and not _a_function(on_event):
-        raise ValueError("on_event must be a function or None")
-    for given, what in ((run_id, "run_id names a run in a store"), (decisions, "decisions are for a run in a store"),
-                        (approve, "approve needs a store, so that a write's fate survives a crash")):
-        if store is None and given is not None:
-            raise ValueError(f"{what}: give the store too")
-    if store is None:
-        return limits, cancel, registry, tools, _UNSAVED
-    if not _callable_object(store, "journal"):
-        raise ValueError("store must be a store, such as a SqliteStore")
-    writes = {} if approve is None and decisions is None else dict(approve=approve, decisions=decisions)
-    # Last, once all else holds: a store checks what it holds against this run's registry and limits, then claims it.
-    journal = store.journal(run_id, registry, limits, tools, **writes)
-    return limits, cancel, journal.admitted(registry), tools, journal
+    return limits
 
 
 def _checked_registry(registry):
@@ -1038,8 +1111,8 @@ def _checked_registry(registry):
             raise ValueError(f"{name}: not a ToolSpec")
         if type(spec.cost) is not int or spec.cost < 0:
             raise ValueError(f"{name}: cost must be an int >= 0")
-        if type(spec.read_only) is not bool or type(spec.parallel_safe) is not bool:
-            raise ValueError(f"{name}: read_only and parallel_safe must be bools")
+        if type(spec.read_only) is not bool or type(spec.parallel_safe) is not bool or type(spec.job) is not bool:
+            raise ValueError(f"{name}: read_only, parallel_safe and job must be bools")
         if spec.validate is not None and not _plain_function(spec.validate):
             raise ValueError(f"{name}: validate must be a plain function or None")
         if type(spec.description) is not str:
@@ -1068,7 +1141,7 @@ def _is_async(function):
 def _callable_object(thing, method=None):
     """True if thing (or its method of that name) can be called, and thing is not a class: a class called with
     history or a call only makes an instance of itself."""
-    if issubclass(type(thing), type):
+    if isinstance(thing, type):
         return False
     return callable(thing if method is None else getattr(thing, method, None))
 
@@ -1084,11 +1157,6 @@ def _plain_function(function):
     return _callable_object(function) and _is_async(function) is False
 
 
-def _class_name(kind):
-    """The class's own name, read without running any code of the class or its metaclass."""
-    return type.__dict__["__name__"].__get__(kind)
-
-
 def _kind(decision):
     """The decision's kind if it is short text, else None: a model's object never enters the trace."""
     if not all(type(key) is str for key in decision):  # a foreign key could run code on lookup
@@ -1099,6 +1167,13 @@ def _kind(decision):
 
 def _failure(item, error, retryable, **why):
     return {**_copy(item), "ok": False, "error": error, "retryable": retryable, **why}
+
+
+class ResultError(Exception):
+    """What a tools object raises for a result it cannot take (McpTools, for one that is not a CallToolResult): the
+    call ends tool_exception, and its observation says the class's own fixed `reason`, never a message."""
+
+    reason = "the tool's result is not one its tools object takes"
 
 
 # What a tool raised -> (observation error, may the model retry). A Stop is the run's cancel or deadline.
@@ -1112,40 +1187,30 @@ TOOL_ERRORS = (
 )
 
 
-TOOL_REASONS = []  # (exception class, the fixed reason a call it ends says), added by later parts
-
-
 def _tool_failure(item, error):
     """The observation of a call whose tool raised error: its code, and whether the model may retry; it names the
     exception's class, never its message (a ToolError's message, written for the model, is kept)."""
-    for raised, code, retryable in TOOL_ERRORS:
-        if issubclass(type(error), raised):  # type(), not isinstance: an object's __class__ may run its code
-            if code is None or code == "tool_timeout":  # the runtime's own signals: no class of the tool's to name
-                return _failure(item, code or str(error), retryable)
-            if code == "tool_error":
-                # Read from the instance's own dict, where ToolError put it: a subclass's property never runs.
-                message = _EXCEPTION_DICT.__get__(error).get("message")
-                kept = type(message) is str and _is_data(message)
-                return _failure(item, code, retryable, **({"message": message[:MAX_MESSAGE]} if kept else {}))
-            # A tools object's own class for a broken result has a fixed reason of the runtime's (PART 11 has one).
-            why = next(({"reason": text} for kind, text in TOOL_REASONS if type(error) is kind), None)
-            return _failure(item, code, retryable, **(why or {"error_type": _error_type(error)}))
-
-
-_EXCEPTION_DICT = BaseException.__dict__["__dict__"]  # an exception's own attributes, read without running its code
+    code, retryable = next((code, retryable) for raised, code, retryable in TOOL_ERRORS if isinstance(error, raised))
+    if code is None or code == "tool_timeout":  # the runtime's own signals: no class of the tool's to name
+        return _failure(item, code or str(error), retryable)
+    if code == "tool_error":
+        try:
+            message = error.message
+        except Exception:  # a ToolError that never set its message, or reads it otherwise
+            message = None
+        kept = type(message) is str and _is_data(message)
+        return _failure(item, code, retryable, **({"message": message[:MAX_MESSAGE]} if kept else {}))
+    if isinstance(error, ResultError) and type(type(error).reason) is str:
+        return _failure(item, code, retryable, reason=type(error).reason)
+    return _failure(item, code, retryable, error_type=_error_type(error))
 
 
 def _error_type(error):
-    """The class name of what was raised (for a _Fault, of what was raised in the first place), at most 80 long.
-    A _Fault holds a class, or the runtime's one fixed text: never anyone's message, even if someone else made it."""
+    """The class name of what was raised (for a _Fault, of what was raised in the first place), at most 80 long."""
     kind = type(error)
-    if kind is _Fault:
-        raised = _EXCEPTION_DICT.__get__(error).get("raised")
-        if type(raised) is str and raised == _CANCEL_WAIT_FAILED:
-            return raised
-        if issubclass(type(raised), type):
-            kind = raised
-    return _class_name(kind)[:80]
+    if kind is _Fault and isinstance(error.raised, type):
+        kind = error.raised
+    return kind.__name__[:80]
 
 
 async def _called(function, *args):
@@ -1172,46 +1237,18 @@ def _checked_tools(fixtures, registry, accept):
     return Fixtures() if fixtures is None else fixtures
 
 
-async def _watch(on_event, event, seconds, cancel, cancel_wait):
-    """Hand the event to the watcher: a plain one is called; an async one is awaited at most `seconds`, and not past
-    a cancel. With no time left (the stop of a cancelled run, say), it still runs up to its first real wait. What it
-    raises, and running out of time, is its loss, not the run's."""
-    if on_event is not None:
+async def _watch(run, event):
+    """Hand the watcher, if any, a copy of the event: a plain one is called; an async one is awaited at most
+    tool_seconds and the time left, and not past a cancel. With no time left (the stop of a cancelled run, say), it
+    still runs up to its first real wait. What it raises, and running out of time, is its loss, not the run's."""
+    if run.on_event is not None:
         with contextlib.suppress(Exception):
             event = _copy(event)  # its own copy: what it does to it changes neither the trace nor the run
-            await _bounded(lambda: _called(on_event, event), max(seconds, 1e-9), cancel, cancel_wait)
-
-
-class _Unsaved:
-    """The journal of a run without a store: nothing to resume, nothing to save (PART 13 has the other kind)."""
-
-    elapsed, named = 0.0, {}
-
-    async def resume(self, *run):
-        return None
-
-    def save(self, result=None):
-        return result
-
-    def saw(self, event):
-        pass
-
-    async def started(self, item):
-        pass
-
-    def admitted(self, registry):  # the registry preflight checks calls against (with writes, PART 14 admits them)
-        return registry
-
-    def handed(self, item):  # the call as its tool gets it: a copy, so that a tool that edits it cannot edit history
-        return _copy(item)
-
-    def close(self):  # run_agent has returned, or was cut
-        pass
-
-    run_batch = staticmethod(_run_batch)
-
-
-_UNSAVED = _Unsaved()
+            if run.cancel.is_set() or run.cancel_wait.done():
+                await bounded(lambda: _called(run.on_event, event), 1e-9, asyncio.Event())
+            else:
+                seconds = max(min(run.limits.tool_seconds, run.deadline - asyncio.get_running_loop().time()), 1e-9)
+                await bounded(lambda: _called(run.on_event, event), seconds, run.cancel, cancel_wait=run.cancel_wait)
 
 
 def _success(item, data):
@@ -1227,12 +1264,12 @@ def _ids(record):
     return [obs["call_id"] for obs in record["observations"]]
 
 
-async def _asked(factory, seconds, cancel, cancel_wait, time_left):
+async def _decision(run, model, view, seconds):
     """The model's decision; else Stop: model_timeout past its time, model_exception (not its message) if it raised."""
     try:
-        return await _bounded(factory, seconds, cancel, cancel_wait)
+        return await run.wait(lambda: model(view), seconds)
     except TimeoutError:
-        time_left()  # a cancel or the deadline explains the timeout better
+        run.time_left()  # a cancel or the deadline explains the timeout better
         raise Stop("model_timeout") from None
     except Stop:
         raise
@@ -1240,17 +1277,17 @@ async def _asked(factory, seconds, cancel, cancel_wait, time_left):
         raise Stop("model_exception", error_type=_error_type(error)) from None
 
 
-def _results(batch, tasks):
+def _results(calls, tasks):
     """The observation each task made of its call, in request order; a task that another one cancelled made none."""
     return [_failure(item, "tool_exception", False, error_type="CancelledError") if task.cancelled() else task.result()
-            for item, task in zip(batch, tasks)]
+            for item, task in zip(calls, tasks)]
 
 
-def _came_first(stop, time_left):
+def _came_first(stop, run):
     """The stop, unless a cancel or the deadline came before it was decided (a check ran late): then that one."""
     if str(stop) not in ("cancelled", "deadline"):
         try:
-            time_left()
+            run.time_left()
         except Stop as late:
             return late
     return stop
@@ -1281,24 +1318,29 @@ COMMANDS = {"demo": ("the normal run, then north failing once (the default)", la
 
 
 def main(argv=None):
-    """Run a command of COMMANDS (name: its help, a function adding its options, its run), the demo by default."""
+    """Run a command (name: its help, a function adding its options, its run): the demo by default; every_command()."""
     parser, args = _parsed(argv)
-    return _run_command(parser, COMMANDS[args.command][2], args)
+    return _run_command(parser, every_command()[args.command][2], args)
 
 
-# PART 5, hard cases: a reader who stops reading, and output that cannot be written
+# PART 5, hard cases: the later parts' commands, a reader who stops reading, and output that cannot be written
+
+def every_command():
+    """The commands of the module: COMMANDS, then each later part's (Part.commands), which replaces one of its name."""
+    return {**COMMANDS, **_declared("commands")}
+
 
 def _show(value, **options):
     print(json.dumps(value, ensure_ascii=False, indent=2, **options))
 
 
 def _parsed(argv):
-    """The command line's parser, a subcommand for each of COMMANDS, and the arguments it parsed from argv."""
+    """The command line's parser, a subcommand for each command, and the arguments it parsed from argv."""
     parser = argparse.ArgumentParser(  # named as it was started: agent_loop.py, or agent-loop once installed
         description="Run a model's tool calls under budgets, time limits and an independent final check.",
     )
     commands = parser.add_subparsers(dest="command", title="commands")
-    for name, (help, options, _) in COMMANDS.items():
+    for name, (help, options, _) in every_command().items():
         options(commands.add_parser(name, help=help))
     args = parser.parse_args(argv)
     return parser, args if args.command else parser.parse_args(["demo"])  # no command: the demo, as it is by default
@@ -1466,363 +1508,51 @@ class FunctionTools:
 # PART 7: a refused batch as an observation, for the model to correct: run_agent(..., on_refused="observe")
 
 # A batch that preflight refused for one of these may become a round of observations instead of the end of the run,
-# if it holds at most MAX_CALLS_OBSERVED calls, each with a name that every provider takes back in a replay.
+# if it holds at most twice the calls a batch may hold, each with a name that every provider takes back in a replay.
 REFUSALS_TO_OBSERVE = ("invalid_batch", "invalid_arguments", "unknown_tool", "permission_denied")
-MAX_CALLS_OBSERVED = 8  # twice what a batch may hold: a model that sends more is not correcting a slip
 REPLAYABLE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the tool names all three providers accept
 
 
-def _observed(stop, decision, turn, used_ids, attempts, registry, limits):
+def _refused_round(stop, decision, turn, run):
     """The round that records a refused batch as failed observations, or None if it cannot be one (then the refusal
     stops the run). Each call gets an observation: `error` the refusal's status, `retryable` true, and a `reason`
     (the refused call's own; for the others, that another call of the batch was refused). Its ids join the run's
     ledger; its calls count no call and no credit. A call that would stop the run whatever came first (one that is
     not a dict, a bad or repeated id, a repeat past `attempts`) stops it with its own status, the first in request
-    order; so do more than MAX_CALLS_OBSERVED calls, a name no provider takes back, and a batch that is not data."""
-    calls = decision.get("calls")
-    if str(stop) not in REFUSALS_TO_OBSERVE or type(calls) is not list or not 1 <= len(calls) <= MAX_CALLS_OBSERVED:
+    order; so do more than twice Limits.batch calls (a model that sends more is not correcting a slip), a name no
+    provider takes back, and a batch that is not data."""
+    calls, observable = decision.get("calls"), REFUSALS_TO_OBSERVE + _observable()
+    if str(stop) not in observable or type(calls) is not list or not 1 <= len(calls) <= 2 * run.limits.batch:
         return None
     ids, signatures = set(), Counter()
     for item in calls:  # preflight's own check of each call, for the refusals that stop even an observed batch
         try:
-            _admit(item, ids, signatures, used_ids, attempts, registry, limits)
+            _admit(item, ids, signatures, run.ids, run.attempts, run.registry, run.limits, run.writes, run.authorize)
         except Stop as refusal:
-            if str(refusal) not in REFUSALS_TO_OBSERVE:
+            if str(refusal) not in observable:
                 raise
     names = [item["name"] for item in calls]
     if not all(type(name) is str and REPLAYABLE_NAME.fullmatch(name) for name in names) or not _is_data(calls, -2):
         return None
-    used_ids.update(item["call_id"] for item in calls)
+    run.ids.update(item["call_id"] for item in calls)
     refused = stop.why.get("call_id")
     return {"round": turn, "calls": calls, "observations": [
         _failure(item, str(stop), True, reason=stop.why["reason"] if refused in (None, item["call_id"]) else
                  "another call of the batch was refused") for item in calls]}
 
 
-REFUSAL_POLICIES["observe"] = _observed
+def _observable():
+    """The refusals a later part adds that an observed batch may hold too (Part.observable, such as a catalog's)."""
+    return tuple(status for kind in Part.__subclasses__() for status in getattr(kind, "observable", ()))
 
 
-# PART 8: the scenario atlas: one small, deterministic run per stop status
+class ObservedRefusals(Part):
+    """PART 7, as the core reads it: the refusal policy "observe"."""
 
-def scripted(*decisions):
-    """A model that answers with a copy of decisions[len(history)] (the last one repeats), whatever history says."""
-    async def model(history):
-        return copy.deepcopy(decisions[min(len(history), len(decisions) - 1)])
+    refusals = {"observe": _refused_round}
 
-    return model
 
-
-async def _hanging_model(history):
-    await asyncio.sleep(10)
-
-
-async def _failing_model(history):
-    raise RuntimeError("private detail of a model failure")
-
-
-async def _obeying_note(history):
-    """fake_model, except that it follows the injected note once it has read it."""
-    if any(obs["data"].get("note") == NOTE for obs in _successes(history)):
-        return {"kind": "calls", "calls": [call("order", "place_order", sku="CUP", qty=100)]}
-    return await fake_model(history)
-
-
-_SERIAL = {"read_partition": {"parallel_safe": False}}
-_HANG = {"north": ["timeout"], "south": ["timeout"]}
-_NORTH = call("a", partition="north")
-
-# (name, what happened, how to run it). Each run uses the module's own Fixtures, fake_model and
-# Limits; the keys: model, limits (fields of Limits), failures, inject, registry (fields of
-# ToolSpec per tool), cancel_after (set the cancel event once that many tools have started).
-ATLAS = (
-    ("completed", "both reads in one parallel batch, then the plan; the answer passed the final check", {}),
-    ("round_limit", "two rounds read and planned; no round was left for the answer", {"limits": {"rounds": 2}}),
-    ("call_limit", "the first batch holds two reads but one call was allowed: nothing ran", {"limits": {"calls": 1}}),
-    ("credit_limit", "the plan was computed, then 14 + 3 credits for the answer passed 16",
-     {"limits": {"credits": 16}}),
-    ("deadline", "both reads hung; the 0.3 s run deadline cut them off (tool_timeout) and ended the run",
-     {"failures": _HANG, "limits": {"total_seconds": 0.3, "tool_seconds": 1}}),
-    ("cancelled", "the cancel event was set while both reads ran; both were cancelled and kept as observations",
-     {"failures": _HANG, "limits": {"tool_seconds": 5}, "cancel_after": 2}),
-    ("model_timeout", "the model did not decide within 0.05 s",
-     {"model": _hanging_model, "limits": {"model_seconds": 0.05}}),
-    ("model_exception", "the model raised; its message is not kept", {"model": _failing_model}),
-    ("invalid_decision", "the model returned text instead of a decision", {"model": scripted("the total is 21900")}),
-    ("invalid_final", "a correct answer guessed before any evidence was read",
-     {"model": scripted({"kind": "final", "answer": make_plan(DATA["north"] + DATA["south"])})}),
-    ("invalid_batch", "an empty batch of calls", {"model": scripted({"kind": "calls", "calls": []})}),
-    ("invalid_call", "a call that is a string, not a dict",
-     {"model": scripted({"kind": "calls", "calls": ["read north"]})}),
-    ("invalid_call_id", "an empty call id",
-     {"model": scripted({"kind": "calls", "calls": [call("", partition="north")]})}),
-    ("duplicate_call_id", "two calls with the id 'a' in one batch: nothing ran",
-     {"model": scripted({"kind": "calls", "calls": [_NORTH, call("a", partition="south")]})}),
-    ("unknown_tool", "the injected note asked for place_order; text in data grants no tool",
-     {"model": _obeying_note, "inject": True}),
-    ("permission_denied", "north refused permission; in a serial batch south was then batch_aborted",
-     {"failures": {"north": ["permission"]}, "registry": _SERIAL}),
-    ("invalid_arguments", "a path-like partition, '../north'",
-     {"model": scripted({"kind": "calls", "calls": [call("a", partition="../north")]})}),
-    ("repeat_limit", "north failed temporarily twice; a third identical read was refused",
-     {"failures": {"north": ["temporary", "temporary"]}}),
-    ("tool_exception", "north had an internal fault; its message is not kept", {"failures": {"north": ["bug"]}}),
-)
-
-
-@dataclass
-class _CancelAfter(Fixtures):
-    cancel: asyncio.Event = None
-    after: int = 0
-
-    async def invoke(self, call):
-        if len(self.started) + 1 == self.after:
-            asyncio.get_running_loop().call_soon(self.cancel.set)  # once this call has started too
-        return await super().invoke(call)
-
-
-async def run_scenario(name, on_event=None, timeline=None):
-    """Run one scenario of the atlas, drawn by timeline if one is given; return (result, fixtures)."""
-    how = next(how for title, _, how in ATLAS if title == name)
-    if "run" in how:  # a scenario of a later part, that runs itself
-        return await how["run"](on_event, timeline)
-    cancel = asyncio.Event()
-    fixtures = _CancelAfter(failures=copy.deepcopy(how.get("failures", {})), inject=how.get("inject", False),
-                            cancel=cancel, after=how.get("cancel_after", 0))
-    registry = {tool: replace(spec, **how.get("registry", {}).get(tool, {})) for tool, spec in TOOLS.items()}
-    limits = replace(Limits(), **how.get("limits", {}))
-    model, tools = how.get("model", fake_model), fixtures
-    if timeline is not None:
-        timeline.limits = timeline.limits or limits
-        model, tools, on_event = timeline.model(model), timeline.tools(fixtures), timeline.watching(on_event)
-    result = await run_agent(model, limits=limits, fixtures=tools, cancel=cancel, registry=registry,
-                             on_event=on_event)
-    return result, fixtures
-
-
-def _errors(result):
-    return [obs["error"] for record in result["history"] for obs in record["observations"] if not obs["ok"]]
-
-
-async def scenarios(name=None, as_json=False, timeline=None):
-    """Print the atlas as a table (or JSON), or one scenario's events as they happen, then its status and answer;
-    return that scenario's result (recorded by timeline, if given)."""
-    if name is not None:
-        print(f"{name}: each trace event as it happens")
-        result, fixtures = await run_scenario(name, lambda event: _show(event, sort_keys=True), timeline)
-        print(name, result["status"], result["used"])
-        print("finish order:", fixtures.finished)
-        _show(result["answer"])
-        return result
-    rows = []
-    for title, why, _ in ATLAS:
-        result, _ = await run_scenario(title)
-        rows.append({"name": title, "status": result["status"], "used": result["used"],
-                     "errors": _errors(result), "why": why})
-    if as_json:
-        _show(rows)
-        return None
-    print(f"{'scenario':<18} {'status':<18} {'rounds':>6} {'calls':>5} {'credits':>7}  what happened")
-    for row in rows:
-        used = row["used"]
-        print(f"{row['name']:<18} {row['status']:<18} {used['rounds']:>6} {used['calls']:>5} {used['credits']:>7}"
-              f"  {row['why']}")
-    return None
-
-
-def _atlas_options(parser):
-    parser.add_argument("name", nargs="?", choices=[scenario[0] for scenario in ATLAS], metavar="NAME",
-                        help="print this scenario's trace events as they happen, then its status and answer")
-    parser.add_argument("--json", action="store_true", help="print the table as a JSON list")
-
-
-def _atlas_arguments(args, parser):
-    if args.json and args.name:
-        parser.error("--json prints the table of every scenario: give no NAME")
-
-
-async def _atlas_command(args, parser, timeline=None):
-    _atlas_arguments(args, parser)
-    return await scenarios(args.name, args.json, timeline)
-
-
-COMMANDS["scenarios"] = ("one small run per stop status, and why it stopped", _atlas_options, _atlas_command)
-
-
-# PART 9: the benchmark: what parallel batches and bounded waits buy, and what the runtime costs
-
-BENCH_WAIT = 0.05  # seconds each tool waits in the parallel-efficiency batches
-
-
-async def _tick(n):
-    return {"n": n}
-
-
-async def _wait(n):
-    await asyncio.sleep(BENCH_WAIT)
-    return {"n": n}
-
-
-async def _hang(n):
-    await asyncio.sleep(60)
-
-
-_BENCH_FUNCTIONS = {"tick": _tick, "wait": _wait, "hang": _hang}
-
-
-def _accepts_nothing(answer, history):
-    return False  # the bench's runs are about time, not answers
-
-
-def _bench_registry(parallel=True):
-    return {name: ToolSpec(0, True, parallel, validate=lambda args: True) for name in ("tick", "wait", "hang")}
-
-
-def _batches(name, per_round):
-    """A model that asks for `per_round` calls of one tool every round, with fresh ids and arguments."""
-    async def model(history):
-        number = len(history) + 1
-        batch = [call(f"{name}{number}-{i}", name, n=number * 10 + i) for i in range(per_round)]
-        return {"kind": "calls", "calls": batch}
-    return model
-
-
-def _roomy(rounds, calls, **seconds):
-    times = {"tool_seconds": 30, "model_seconds": 30, "total_seconds": 600, **seconds}
-    return Limits(rounds=rounds, calls=calls, credits=MODEL_COST * rounds, attempts=1, **times)
-
-
-async def _timed(model, limits, parallel=True):
-    tools = FunctionTools(_BENCH_FUNCTIONS)
-    start = time.perf_counter()
-    registry = _bench_registry(parallel)
-    result = await run_agent(model, limits=limits, fixtures=tools, registry=registry, accept=_accepts_nothing)
-    return time.perf_counter() - start, result
-
-
-def _spread(samples, scale=1.0):
-    """Median, min and max of samples, scaled."""
-    return {"median": statistics.median(samples) * scale, "min": min(samples) * scale, "max": max(samples) * scale}
-
-
-async def _parallel_efficiency(repeats):
-    figures = {}
-    for k in (1, 2, 4):
-        figures[str(k)] = {}
-        for mode, parallel in (("parallel", True), ("serial", False)):
-            walls = [(await _timed(_batches("wait", k), _roomy(1, k), parallel))[0] for _ in range(repeats)]
-            figures[str(k)][mode] = _spread(walls, 1 / BENCH_WAIT)
-    return figures
-
-
-async def _overhead(repeats, runs=40, rounds=5):
-    """Microseconds of the runtime's own work per round (one instant call) and per further call in a batch."""
-    per_round, per_call = [], []
-    for _ in range(repeats):
-        one = sum([(await _timed(_batches("tick", 1), _roomy(rounds, rounds)))[0] for _ in range(runs)])
-        four = sum([(await _timed(_batches("tick", 4), _roomy(rounds, 4 * rounds)))[0] for _ in range(runs)])
-        per_round.append(one / (runs * rounds))
-        per_call.append((four - one) / (3 * runs * rounds))
-    return {"round_us": _spread(per_round, 1e6), "call_us": _spread(per_call, 1e6)}
-
-
-async def _limit_overshoot(runs):
-    """Milliseconds past tool_seconds until a hanging tool stopped, and past total_seconds until run_agent returned."""
-    tool, total = [], []
-    for _ in range(runs):
-        stopped = []
-
-        class Recorded(FunctionTools):
-            async def invoke(self, call):
-                start = time.perf_counter()
-                try:
-                    return await super().invoke(call)
-                finally:
-                    stopped.append(time.perf_counter() - start)
-
-        hanging = Recorded(_BENCH_FUNCTIONS)
-        await run_agent(_batches("hang", 1), limits=_roomy(1, 1, tool_seconds=0.05), fixtures=hanging,
-                        registry=_bench_registry(), accept=_accepts_nothing)
-        tool.append(stopped[0] - 0.05)
-        wall, _ = await _timed(_batches("hang", 1), _roomy(1, 1, total_seconds=0.1))
-        total.append(wall - 0.1)
-    return {"tool_ms": _spread(tool, 1e3), "total_ms": _spread(total, 1e3)}
-
-
-async def _growth(sizes, samples=20):
-    """Milliseconds per round once history holds n rounds, beside a plain deepcopy of that history."""
-    figures, ticks = {}, _batches("tick", 1)
-    for n in sizes:
-        marks = []
-
-        async def model(history):
-            marks.append(time.perf_counter())  # one mark per decision: a round is the time between two
-            return await ticks(history)
-
-        _, result = await _timed(model, _roomy(n + 1, n + 1))
-        rounds = [after - before for before, after in zip(marks, marks[1:])][-samples:]
-        history = result["history"][:n]
-        copies = []
-        for _ in range(min(samples, len(rounds))):
-            start = time.perf_counter()
-            copy.deepcopy(history)
-            copies.append(time.perf_counter() - start)
-        figures[str(n)] = {"round_ms": _spread(rounds, 1e3), "deepcopy_ms": _spread(copies, 1e3)}
-    return figures
-
-
-async def bench(quick=False, as_json=False):
-    """Measure parallel efficiency, the runtime's overhead, time-limit overshoot and growth; print the figures."""
-    repeats = 3 if quick else 7
-    figures = {
-        "python": platform.python_version(),
-        "cores": os.cpu_count(),
-        "repeats": repeats,
-        "parallel_efficiency": await _parallel_efficiency(repeats),
-        "overhead": await _overhead(repeats),
-        "limit_overshoot": await _limit_overshoot(5 if quick else 20),
-        "growth": await _growth((10, 100) if quick else (10, 100, 1000)),
-    }
-    for name, measure, _ in BENCH_PARTS:
-        figures[name] = await measure(quick)
-    if as_json:
-        _show(figures)
-        return
-    cell = "{median:8.3f} [{min:.3f} .. {max:.3f}]".format
-    print(f"agent_loop bench: Python {figures['python']}, {figures['cores']} cores; median [min .. max] over repeats")
-    wait = f"{BENCH_WAIT * 1000:.0f} ms"
-    print(f"\n1. Parallel efficiency: k tools each waiting {wait}, batch wall time / {wait}"
-          f" ({repeats} repeats; the limits are 1 and k)")
-    for k, modes in figures["parallel_efficiency"].items():
-        print(f"   k={k}  parallel {cell(**modes['parallel'])}   serial {cell(**modes['serial'])}")
-    print(f"\n2. Runtime overhead, instant model and tools, microseconds ({repeats} repeats)")
-    print(f"   per round      {cell(**figures['overhead']['round_us'])}")
-    print(f"   per tool call  {cell(**figures['overhead']['call_us'])}")
-    runs = 5 if quick else 20
-    print(f"\n3. Time limits: milliseconds past the limit ({runs} runs)")
-    print(f"   a hanging tool stopped after tool_seconds   {cell(**figures['limit_overshoot']['tool_ms'])}")
-    print(f"   run_agent returned after total_seconds      {cell(**figures['limit_overshoot']['total_ms'])}")
-    print("\n4. Growth: milliseconds per round once history holds n rounds, beside a plain deepcopy of that history")
-    for n, row in figures["growth"].items():
-        ratio = row["round_ms"]["median"] / row["deepcopy_ms"]["median"]
-        print(f"   n={n:<5} per round {cell(**row['round_ms'])}   deepcopy {cell(**row['deepcopy_ms'])}"
-              f"   ratio {ratio:.2f}")
-    for number, (name, _, show) in enumerate(BENCH_PARTS, 5):
-        show(number, figures[name], cell)
-
-
-BENCH_PARTS = []  # (name, async measure(quick) -> figures, show(number, figures, cell)): what later parts measure
-
-
-def _bench_options(parser):
-    parser.add_argument("--quick", action="store_true", help="fewer repeats: a smoke run of a few seconds")
-    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-
-
-COMMANDS["bench"] = ("measure parallel batches, overhead, time limits and growth", _bench_options,
-                     lambda args, parser: bench(args.quick, args.json))
-
-
-# PART 10: connect a real model: the OpenAI Responses, OpenAI Chat Completions and Anthropic Messages formats
+# PART 8: connect a real model: the OpenAI Responses, OpenAI Chat Completions and Anthropic Messages formats
 #
 # Each bridge is four small pure functions in the same order: the tools a request offers (from the
 # registry, the same declarations preflight checks against), a reply turned into a local decision,
@@ -2153,7 +1883,7 @@ def messages_model(create, task, registry=TOOLS, **options):
     return _model(create, options, ("messages", _task(task)), messages_input, messages_tools(registry), from_messages)
 
 
-# PART 11: tools from an MCP server, under the same preflight, budgets and time limits
+# PART 9: tools from an MCP server, under the same preflight, budgets and time limits
 #
 # The module never imports the mcp package: you bring a client session (the official one, or anything
 # with async list_tools() and call_tool(name, arguments)). Both shapes of its results are read: the
@@ -2201,11 +1931,10 @@ def mcp_registry(listed, read_only=(), parallel_safe=(), cost=1):
     return _checked_registry(registry)  # a schema the strict check cannot honour is a ValueError naming the tool
 
 
-class McpResultError(Exception):
+class McpResultError(ResultError):
     """What McpTools raises for a call_tool result that is not a CallToolResult: the call ends tool_exception."""
 
-
-TOOL_REASONS.append((McpResultError, "the result is not an MCP CallToolResult: a content list of typed blocks"))
+    reason = "the result is not an MCP CallToolResult: a content list of typed blocks"
 
 
 class McpTools:
@@ -2224,7 +1953,7 @@ class McpTools:
         blocks, flag = _field(result, "content"), _either(result, "isError", "is_error")
         if type(blocks) is not list or not all(_text(block, "type") for block in blocks) or (
                 flag is not None and type(flag) is not bool):
-            raise McpResultError  # its reason is fixed: see TOOL_REASONS
+            raise McpResultError  # its reason is fixed: the class's own
         texts = [_text(block, "text") for block in blocks if _text(block, "type") == "text"]
         if flag is True:
             # The server's message to the model, kept as data: MCP means it for the model to read and correct.
@@ -2241,397 +1970,10 @@ class McpTools:
         return _copy(data) if _is_data(data) else data
 
 
-# PART 12: see a run: its decisions and calls drawn on a time axis
+# PART 10: a named run, saved in a store as it goes, that resumes after a crash where it stopped, nothing refunded;
+# and tools that write: approved before they start, keyed so that none applies twice, unknown outcomes settled
 
-# The colour of a bar in SVG, by how its lane ended (a decision's lane by its kind).
-_COLOURS = {"ok": "#2f9e44", "temporary": "#f08c00", "tool_error": "#f08c00", "tool_timeout": "#e8590c",
-            "cancelled": "#7048e8", "deadline": "#c92a2a", "decision": "#1c7ed6"}
-_FAILED = "#c92a2a"  # any other way a call ended: a fault, a refusal, a call that never started
-
-
-class Timeline:
-    """A recorder that draws a run: when each decision was asked and answered, when each call started and
-    ended, with its outcome, and the limits that acted, on the event loop's clock. One Timeline per run."""
-
-    def __init__(self, limits=None):
-        self.limits = limits  # the run's Limits, if known: tells a cut by a call's own limit from one by the deadline
-        self.decisions = []   # (asked, answered) of each decision, in order: one per round
-        self.calls = {}       # call_id -> (started, ended)
-        self.cut = set()      # call ids, and ("model", round), that the runtime's wait ended, not they themselves
-        self.events = []      # (time, trace event)
-
-    @staticmethod
-    def _now():
-        return asyncio.get_running_loop().time()
-
-    def model(self, model):
-        """The model, wrapped so that each decision's asking and answering are recorded; nothing else changes."""
-        if not _a_function(model):
-            raise ValueError("model must be an async function of history")
-
-        async def timed(history):
-            asked = self._now()
-            try:
-                return await model(history)
-            except asyncio.CancelledError:
-                self.cut.add(("model", len(self.decisions) + 1))
-                raise
-            finally:
-                self.decisions.append((asked, self._now()))
-
-        return timed
-
-    def tools(self, tools):
-        """The tools object, wrapped so that each call's start and end are recorded; nothing else changes."""
-        if not _callable_object(tools, "invoke"):
-            raise ValueError("fixtures must be an object with an async invoke(call) method")
-        return _TimedTools(self, tools)
-
-    def event(self, event):
-        """For run_agent(on_event=...): record each trace event as it happens."""
-        self.events.append((self._now(), event))
-
-    def watching(self, on_event=None):
-        """An on_event that records each event, then hands a copy of it to on_event too (plain or async), if given."""
-        if on_event is not None and not _a_function(on_event):
-            raise ValueError("on_event must be a function or None")
-
-        async def both(event):
-            self.event(event)
-            if on_event is not None:
-                await _called(on_event, _copy(event))  # a watcher that edits its event cannot edit the record
-
-        return both
-
-    def lanes(self, result):
-        """What the drawing shows: per round, a lane for the decision and one per call (name, tool, start, end,
-        outcome); the limits that acted (limit, time, round); the run's status; ValueError if this timeline did
-        not record this run, and only it."""
-        stop = result["trace"][-1]
-        if [event for _, event in self.events] != result["trace"]:
-            raise ValueError("this Timeline did not see this run's events, or saw another run's too: give run_agent "
-                             "on_event=timeline.event, one Timeline per run")
-        # A round may be paid and then stopped before its model was asked (a deadline or cancel during the copy).
-        paid, asked = result["used"]["rounds"], len(self.decisions)
-        if asked > paid:
-            raise ValueError("this Timeline recorded another run too: use one Timeline per run, its model wrapped once")
-        if asked < paid - (stop["status"] in ("deadline", "cancelled")):
-            raise ValueError("decisions were asked that this Timeline did not record: give run_agent "
-                             "timeline.model(model)")
-        if result["used"]["calls"] and not self.calls:
-            raise ValueError("calls ran that were not recorded: give run_agent fixtures=timeline.tools(...)")
-        ids = {item["call_id"] for record in result["history"] for item in record["calls"]}
-        first = self.decisions[0][0] if self.decisions else self.events[0][0]
-        if not set(self.calls) <= ids or any(started < first for started, _ in self.calls.values()):
-            raise ValueError("this Timeline recorded calls of another run: use one Timeline per run")
-        kinds = {event["round"]: event["kind"] for _, event in self.events if event["event"] == "decision"}
-        rounds = {}
-        for number, (asked, answered) in enumerate(self.decisions, 1):
-            kind = kinds.get(number)
-            if kind not in ("calls", "final"):  # no decision came, or none that could be acted on
-                kind = stop["status"] if number == len(self.decisions) else str(kind)
-            rounds[number] = [("model", "decision", asked, answered, kind)]
-        for record in result["history"]:
-            for obs in record["observations"]:
-                started, ended = self.calls.get(obs["call_id"], (None, None))
-                if started is None and obs["ok"]:
-                    raise ValueError("a call that ran was not recorded: give run_agent fixtures=timeline.tools(...)")
-                outcome = "ok" if obs["ok"] else obs["error"]
-                rounds.setdefault(record["round"], []).append((obs["call_id"], obs["name"], started, ended, outcome))
-        return rounds, self._marks(rounds, stop["status"]), stop["status"]
-
-    def _marks(self, rounds, status):
-        """Where the limits acted: a call or decision cut off by its own time limit or by the run's deadline, and
-        the cancel; one mark per limit and round, where it first acted."""
-        ends = [lane[3] for lanes in rounds.values() for lane in lanes if lane[3] is not None]
-        stopped = self.events[-1][0] if self.events else max(ends, default=None)
-        span = (max(ends) - min(lane[2] for lanes in rounds.values() for lane in lanes if lane[2] is not None)
-                if ends else 0.0)
-        earliest = {}
-        for number, lanes in rounds.items():
-            for name, tool, began, ended, outcome in lanes:
-                limit = None
-                if outcome in ("tool_timeout", "model_timeout") and ended is not None:
-                    cut = (("model", number) if tool == "decision" else name) in self.cut
-                    own = getattr(self.limits, "model_seconds" if tool == "decision" else "tool_seconds", None)
-                    # Uncut, it raised TimeoutError itself, or it held the loop past its limit (then it acted).
-                    if cut or own is not None and ended - began >= own:
-                        at_the_end = stopped - ended <= max(0.002, span / 50)
-                        short = own is not None and ended - began < own * 0.95  # the time left was shorter
-                        if status == "deadline" and (at_the_end or short):
-                            limit = "deadline"
-                        else:
-                            limit = "model_seconds" if tool == "decision" else "tool_seconds"
-                elif outcome == "cancelled" and ended is not None:
-                    limit = "cancel"
-                if limit:
-                    earliest[limit, number] = min(ended, earliest.get((limit, number), ended))
-        limit = {"deadline": "deadline", "cancelled": "cancel"}.get(status)
-        if limit and rounds and stopped is not None and not any(mark == limit for mark, _ in earliest):
-            earliest[limit, max(rounds)] = stopped  # it acted between calls: where the run stopped
-        return [(limit, when, number) for (limit, number), when in earliest.items()]
-
-    def _axis(self, rounds, marks):
-        """(start, span) in seconds of everything recorded."""
-        times = [t for lanes in rounds.values() for lane in lanes for t in lane[2:4] if t is not None]
-        times += [t for _, t, _ in marks] + [t for t, _ in self.events]
-        if not times:
-            return 0.0, 1e-3
-        return min(times), max(max(times) - min(times), 1e-3)
-
-    def text(self, result, width=100):
-        """The run as a terminal drawing: a lane per decision and per call with a bar from its start to its end and
-        its outcome after it; parallel calls overlap, serial ones follow each other; the limits that acted are
-        marked where they acted, under a scale in milliseconds."""
-        if type(width) is not int or width < 60:
-            raise ValueError("width must be an int of at least 60")
-        rounds, marks, status = self.lanes(result)
-        if not rounds:
-            return f"{status}: no decision was asked\n"
-        start, span = self._axis(rounds, marks)
-        digits = _ms_digits(span)
-        label = 30
-        tail = 1 + max(_columns(lane[4]) for lanes in rounds.values() for lane in lanes)
-        columns = width - label - tail
-
-        def at(t):
-            return min(int((t - start) / span * columns), columns - 1)
-
-        scale = [" "] * columns
-        for text, where in (("0 ms", 0), (f"{span * 500:.{digits}f} ms", columns // 2),
-                            (f"{span * 1000:.{digits}f} ms", None)):
-            where = columns - len(text) if where is None else where
-            scale[where:where + len(text)] = text
-        lines = [" " * label + "".join(scale), " " * label + "|" + "-" * (columns - 2) + "|"]
-        for number in sorted(rounds):
-            lines.append(f"round {number}")
-            admitted = rounds[number][0][3] if rounds[number][0][1] == "decision" else None
-            for name, tool, began, ended, outcome in rounds[number]:
-                row = [" "] * columns
-                if began is None:  # it never started: refused, aborted, or overtaken by a stop
-                    row[at(admitted) if admitted is not None else 0] = "."
-                else:
-                    first, last = at(began), at(ended)
-                    row[first:last + 1] = "=" * (last - first + 1)
-                lane = "model" if tool == "decision" else _printable(f"{name} {tool}", label - 3)
-                padding = " " * (label - 2 - _columns(lane))  # by columns: a Chinese character takes two
-                lines.append(f"  {lane}{padding}{''.join(row)} {outcome}")
-            for limit, when, where in sorted(marks, key=lambda mark: mark[1]):
-                if where == number:
-                    lines.append(" " * (label + at(when)) + f"^ {limit}")
-        lines.append(f"{status}: {span * 1000:.{digits}f} ms from the first decision asked; one column is "
-                     f"{span / columns * 1000:.2f} ms")
-        return "\n".join(line.rstrip() for line in lines) + "\n"
-
-    def svg(self, result, title="agent_loop run"):
-        """The same drawing as a standalone SVG document: lanes, bars coloured by outcome, limit lines, labels and a
-        legend."""
-        return _svg_document([(title, self, result)])
-
-
-def _columns(text):
-    """How many terminal columns text takes: two for a wide or fullwidth character (Chinese, say), none for a
-    combining mark, one for any other."""
-    return sum(0 if unicodedata.combining(char) else 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
-               for char in text)
-
-
-def _printable(text, most):
-    """text for a drawing: a character that a terminal or XML would act on (a control character) shown as ?,
-    and at most `most` terminal columns, cut with ... if it is longer."""
-    text = "".join(char if char.isprintable() else "?" for char in text)
-    if _columns(text) <= most:
-        return text
-    kept, used = [], 0
-    for char in text:
-        used += _columns(char)
-        if used > most - 3:
-            break
-        kept.append(char)
-    return "".join(kept) + "..."
-
-
-class _TimedTools:
-    """A tools object that records when each call starts and ends, and passes every call on as it is."""
-
-    def __init__(self, timeline, tools):
-        self.timeline, self.inner = timeline, tools
-
-    def check_registry(self, registry):
-        """The check of the tools it wraps, if they have one (FunctionTools does)."""
-        check = getattr(type(self.inner), "check_registry", None)
-        if check is not None:
-            check(self.inner, registry)
-
-    async def invoke(self, call):
-        cid, started = call["call_id"], self.timeline._now()  # the id first: the tool may edit its own copy
-        try:
-            return await self.inner.invoke(call)
-        except asyncio.CancelledError:
-            self.timeline.cut.add(cid)  # the runtime's wait ended it: a time limit or the cancel acted
-            raise
-        finally:
-            self.timeline.calls[cid] = (started, self.timeline._now())
-
-
-def _ms_digits(span):
-    """Decimals a scale in milliseconds needs for a run of `span` seconds: none, unless the run was very short."""
-    return 2 if span < 0.002 else 1 if span < 0.02 else 0
-
-
-async def drawn_demo(text=True, svg=None):
-    """The demo, each run printed as the demo prints it, then drawn: on the terminal, or into an SVG file."""
-    drawings = []
-    for title, make_fixtures in DEMO_RUNS:
-        fixtures, timeline = make_fixtures(), Timeline(Limits())
-        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(fixtures), on_event=timeline.event)
-        show_run(title, result, fixtures)
-        drawings.append((title, timeline, result))
-        _draw(drawings[-1:], text, None)
-    _draw(drawings, False, svg)
-
-
-def _drawing_options(options):
-    """options, then the two that draw a run."""
-    def both(parser):
-        options(parser)
-        parser.add_argument("--timeline", action="store_true", help="draw the run on a time axis after it")
-        parser.add_argument("--svg", metavar="FILE", help="write the drawing to FILE as an SVG document")
-
-    return both
-
-
-@contextlib.contextmanager
-def _svg_file(path, parser):
-    """The file --svg names, opened for writing, or None; closed at the end, so that a full disk shows there."""
-    if path is None:
-        yield None
-        return
-    try:
-        svg = open(path, "w", encoding="utf-8")
-    except OSError as error:
-        parser.error(f"argument --svg: can't open '{path}': {error.strerror}")
-    try:
-        yield svg
-        svg.close()  # its last write happens here: a full disk shows now, not at exit
-    finally:
-        if not svg.closed:
-            with contextlib.suppress(OSError):  # the error that brought us here is the one to report
-                svg.close()
-
-
-async def _drawn_demo(args, parser):
-    if not args.timeline and args.svg is None:
-        return await demo()
-    with _svg_file(args.svg, parser) as svg:
-        await drawn_demo(args.timeline, svg)
-
-
-async def _drawn_scenario(args, parser):
-    if not args.timeline and args.svg is None:
-        return await _atlas_command(args, parser)
-    if not args.name:
-        parser.error("--timeline and --svg draw one scenario: give its NAME")
-    _atlas_arguments(args, parser)  # its refusals come before the file is opened
-    if next(how for title, _, how in ATLAS if title == args.name).get("drawn") is False:
-        parser.error(f"cannot draw {args.name}: a Timeline draws a run it recorded whole, and this one resumes a "
-                     "run from a store")
-    with _svg_file(args.svg, parser) as svg:
-        timeline = Timeline()
-        result = await _atlas_command(args, parser, timeline)
-        try:
-            _draw([(args.name, timeline, result)], args.timeline, svg)
-        except ValueError as error:  # a run this process did not see whole, such as one resumed from a store
-            parser.error(f"cannot draw {args.name}: {error}")
-
-
-for _name, _run in (("demo", _drawn_demo), ("scenarios", _drawn_scenario)):
-    COMMANDS[_name] = (COMMANDS[_name][0], _drawing_options(COMMANDS[_name][1]), _run)
-
-
-def _draw(runs, text, svg):
-    """Print each (title, timeline, result) as text, and write them all to the file svg as one SVG document."""
-    for title, timeline, result in runs if text else ():
-        print(timeline.text(result), end="")
-    if svg:  # a file main() opened, and closes
-        svg.write(_svg_document(runs))
-
-
-def _svg_document(runs):
-    """One SVG document that draws each (title, timeline, result) in a band of its own, one under the other."""
-    from xml.sax.saxutils import escape
-    width, label, tail, row = 980, 250, 170, 20
-    bars = width - label - tail
-    body, y = [], 10
-    for title, timeline, result in runs:
-        rounds, marks, status = timeline.lanes(result)
-        start, span = timeline._axis(rounds, marks)
-
-        def x(t):
-            return label + (t - start) / span * bars
-
-        body.append(f'<text x="10" y="{y + 15}" class="title">{escape(_printable(title, 60))}: {escape(status)}</text>')
-        y += 30
-        for fraction in (0, 0.25, 0.5, 0.75, 1):
-            tick = label + fraction * bars
-            body.append(f'<line x1="{tick:.1f}" y1="{y}" x2="{tick:.1f}" y2="{y + 6}" class="axis"/>'
-                        f'<text x="{tick:.1f}" y="{y - 3}" class="tick">'
-                        f'{span * fraction * 1000:.{_ms_digits(span)}f} ms</text>')
-        body.append(f'<line x1="{label}" y1="{y}" x2="{label + bars}" y2="{y}" class="axis"/>')
-        y += 12
-        if not rounds:
-            body.append(f'<text x="20" y="{y + 14}" class="lane">no decision was asked</text>')
-            y += row
-        for number in sorted(rounds):
-            body.append(f'<text x="10" y="{y + 14}" class="round">round {number}</text>'
-                        f'<line x1="10" y1="{y + 2}" x2="{width - 10}" y2="{y + 2}" class="separator"/>')
-            y += row
-            first = y
-            admitted = rounds[number][0][3] if rounds[number][0][1] == "decision" else None
-            for name, tool, began, ended, outcome in rounds[number]:
-                kind = "decision" if tool == "decision" else "call"
-                colour = _COLOURS["decision" if kind == "decision" else outcome] if (
-                    kind == "decision" or outcome in _COLOURS) else _FAILED
-                if began is None:  # it never started: a grey tick where its batch was admitted
-                    left, length, colour = x(admitted) if admitted is not None else label, 2.0, "#868e96"
-                else:
-                    left, length = x(began), max(x(ended) - x(began), 2.0)
-                lane = "model" if kind == "decision" else _printable(f"{name} {tool}", 30)
-                body.append(f'<text x="20" y="{y + 14}" class="lane">{escape(lane)}</text>'
-                            f'<rect class="{kind}" x="{left:.1f}" y="{y + 4}" width="{length:.1f}" height="{row - 8}" '
-                            f'fill="{colour}"><title>{escape(lane)}: {escape(outcome)}</title></rect>'
-                            f'<text x="{label + bars + 8}" y="{y + 14}" class="outcome">{escape(outcome)}</text>')
-                y += row
-            for limit, when, where in marks:
-                if where == number:
-                    body.append(f'<line class="limit" x1="{x(when):.1f}" y1="{first}" x2="{x(when):.1f}" y2="{y}"/>'
-                                f'<text x="{x(when) + 3:.1f}" y="{y + 12}" class="limit">{escape(limit)}</text>')
-                    y += 14
-        y += 20
-    legend = [("decision", _COLOURS["decision"]), ("ok", _COLOURS["ok"]),
-              ("temporary, tool_error", _COLOURS["temporary"]), ("tool_timeout", _COLOURS["tool_timeout"]),
-              ("cancelled", _COLOURS["cancelled"]), ("deadline or a fault", _FAILED), ("never started", "#868e96")]
-    left = 10
-    for name, colour in legend:
-        body.append(f'<rect x="{left}" y="{y}" width="12" height="12" fill="{colour}"/>'
-                    f'<text x="{left + 16}" y="{y + 11}" class="legend">{escape(name)}</text>')
-        left += 16 + 7.5 * len(name) + 18  # a monospace character is about 7.2 px at 12 px
-    height = y + 30
-    style = ("text{font-family:monospace;font-size:12px}.title{font-size:14px;font-weight:bold}.tick{font-size:10px;"
-             "text-anchor:middle}.axis{stroke:#495057}.separator{stroke:#dee2e6}.limit{stroke:#c92a2a;"
-             "stroke-dasharray:4 3;fill:#c92a2a}")
-    return (f'<?xml version="1.0" encoding="UTF-8"?>\n<svg xmlns="http://www.w3.org/2000/svg" width="{width}" '
-            f'height="{height}" viewBox="0 0 {width} {height}">\n<style>{style}</style>\n'
-            + "\n".join(body) + "\n</svg>\n")
-
-
-# PART 13: a named run, saved in a database as it goes (SQLite, or PostgreSQL), that resumes after a crash where it
-# stopped, nothing refunded; runs leased, so that a pool of workers can share the database (PART 15)
-
-# Another process claimed the run, or the store could not save it: either way this process starts nothing more.
-STOP_STATUSES += ("superseded", "store_failed")
-OBSERVATION_ERRORS += ("interrupted",)  # a call of a batch that a crash cut: it may have started, or not
-STORE_VERSION = 1  # the layout of what a store holds: a store of another version is refused
+STORE_VERSION = 2  # the layout of what a store holds: a store of another version is refused
 
 
 class Superseded(Exception):
@@ -2659,10 +2001,9 @@ class Store:
 
     Per run id a store holds plain JSON data: the run's config (its registry's names, costs, permissions and schemas,
     and its limits, as canonical JSON), when it first started (time.time()), its generation (which claim holds it),
-    its state ({"used", "paused": seconds spent paused, "paused_at": when a pause began, "asked_at": when its
-    writes were first asked about (PART 14), each time.time() or None}), its history
-    records (one per round), its trace events and, once it has ended, its status and answer. Your own store
-    implements five methods:
+    its state (the journal's own: what it has used, its time paused, what a pause waits for, each write's verdict and
+    whether it was handed to its tool), its history records (one per round), its trace events and, once it has
+    ended, its status and answer. Your own store implements five methods:
       load(run_id): the run as {"config", "started", "generation", "state", "history", "trace", "status", "answer"}
         (status None while it has not ended), or None;
       claim(run_id, config, started): in one transaction, make the run (generation 1) if it is not there, else raise
@@ -2672,65 +2013,144 @@ class Store:
       save(run_id, generation, state, records, events, end=None): in one transaction, only while the run is still
         held under generation (else raise Superseded): store state, the records (each replacing any of its round),
         the events (after those stored) and, with end = (status, answer), the run's end; a state whose "paused_at"
-        is not None is a pause (PART 14);
+        is not None is a pause;
       unfinished(): the ids of the runs that have not ended, oldest first.
-    A store that runs writes (PART 14) has a store_id: a string no other store has, that their keys are made of. A
-    store with leases (SqlStore) has lease_seconds, renew(run_id, generation), release(run_id, generation) and
-    give_back(run_id, aside) too.
-    Everything else (what a crash leaves, resuming, fencing) is the runtime's: journal() makes it."""
-
-    def journal(self, run_id, registry, limits, tools=None, **writes):
-        """One run's journal in this store, for these tools; ValueError, before the model is asked, for a run it cannot
-        resume. With approve or decisions (PART 14), one that runs writes."""
-        kind = JOURNALS.get("writes")  # it knows a run with writes, even one resumed without approve
-        if kind is None and writes:
-            raise ValueError("approve and decisions need the writes of PART 14")
-        return (kind or JOURNALS["reads"])(self, run_id, registry, limits, tools, **writes)
+    A store that runs writes has a store_id: a string no other store has, that their keys are made of. A store with
+    leases (SqlStore) has lease_seconds, renew(run_id, generation), release(run_id, generation) and give_back(run_id,
+    aside) too. Everything else (what a crash leaves, resuming, fencing, writes) is the runtime's: see _Journal."""
 
 
-class _Journal(_Unsaved):
-    """A run's thread to its store: checked and claimed when the run starts, then saved at each step that spends.
+STORE_METHODS = ("load", "claim", "claimed", "save", "unfinished")
+VERDICTS = ("approve", "reject")  # a person's, or the approval policy's ("ask" leaves it to a person)
+NOT_APPLIED = ("tool_error", "temporary", "permission_denied")  # a write whose tool raised these did not apply
+_NOTHING_USED = {"rounds": 0, "calls": 0, "credits": 0}
+# A run's state as its journal saves it, new: used, seconds paused so far, when a pause began, when its writes were
+# first asked about, what a pause waits for ("approval", "outcome"), and each write's {"verdict", "by", "started"}.
+_NOTHING_SAVED = {"used": _NOTHING_USED, "paused": 0.0, "paused_at": None, "asked_at": None, "waits": None,
+                  "writes": {}}
 
-    A crash keeps what was saved. A decision paid stays paid: the resumed run asks for a new one. A batch admitted but
-    not observed counts as started, call by call, since any of them may have been: each is charged and observed as
-    interrupted, retryable, its id kept in the ledger; a round whose observations say the run stopped stops it
-    again. A "resumed" event marks the join, and the deadline counts from the run's first start, the time between a
-    crash and its resume included. Before each call starts, the claim is checked: a fenced process starts nothing.
-    The config compared on resume holds the registry's names, costs, permissions and schemas, and the limits: a
-    tool's validate and description are not compared (a function cannot be)."""
 
-    def __init__(self, store, run_id, registry, limits, tools=None):
+def idempotency_key(run_id, call_id, store_id=""):
+    """The key of a write: one per store, run and call id, the same across retries, resumes and processes (a run of
+    the same name in another store has keys of its own)."""
+    return hashlib.sha256(canonical([store_id, run_id, call_id]).encode()).hexdigest()
+
+
+class _Journal(Part):
+    """A named run's journal: run_agent(..., store=store, run_id=...), with writes: approve=policy, approvals={...}.
+
+    One run through a crash and its resume. Before the model is asked, the journal loads what the store holds for
+    the run and checks it (plain data of the shapes it saves, the same registry and limits: else a ValueError, and a
+    pool sets the run aside); then it claims the run, which fences any other holder, and loads and checks it again.
+    It saves at each step that spends, in one transaction each: the decision paid (before the model is asked), the
+    batch admitted (before its gate), each write's verdict (before any call of its batch starts), each write handed
+    to its tool (before the tool has it), each observation of a serial batch, the batch's observations, a refusal,
+    the end. A crash keeps what was saved, and the same call later resumes the run: used, history, the ledger and
+    the repeat counts as they were (a "resumed" event marks the join), its deadline counting from its first start
+    (less any time paused). A decision the crash cut stays paid: the model is asked anew. A batch it cut is charged
+    whole: each call without an observation is interrupted (retryable), unless it is a write saved as handed to its
+    tool: that one's outcome is unknown. A batch that waited for approvals goes to its gate again. A write whose
+    outcome is unknown is asked about again (the tools' reconcile, with its key, bounded by tool_seconds even past the
+    deadline); once every one is settled, the calls after it that never started run. A round whose observations say
+    the run stopped stops it again. Before each call starts, the claim is checked: a fenced process starts nothing.
+    The config compared on resume holds the registry's names, costs, permissions, job flags and schemas, and the
+    limits: a tool's validate and description are not compared (a function cannot be).
+
+    Writes are opt in: without approve (and no write decided before), a tool that is not read-only is refused, as in
+    the article. With them, preflight lets a write through and the gate decides: once the budgets admitted a batch,
+    before any call of it starts, approve (a plain function of a copy of each write: call_id, name, arguments,
+    idempotency_key) is asked once per write and says "approve", "reject" or "ask"; anything else it returns, or
+    raises, is "ask". A rejected write stops the whole batch: each call is observed "rejected" (retryable, saying
+    which write was), nothing starts, and the model decides again. A write asked about pauses the run before
+    anything of its batch starts: awaiting_approval, with result["pending"]. The same call later with approvals=
+    {call_id: "approve" or "reject"} goes on with the calls as saved; approvals are kept until every pending write
+    has one; an approval for a call that is not pending (or no longer: checked again once the run is claimed) is a
+    ValueError, unless it is the verdict already saved; a call made more than Limits.approval_seconds after the write
+    was first asked about ends the run approval_expired, and nothing of the batch starts. approvals={} is none.
+
+    A batch with a write runs serially. A write whose tool raised ToolError, TemporaryError or PermissionError did
+    not apply; one that timed out, was cut by the deadline or a cancel, raised anything else, or was found handed
+    and not observed after a crash, has an unknown outcome. The tools' reconcile(call) is then awaited, bounded like
+    a call: {"applied": true, "data": plain data} is a success marked "reconciled"; {"applied": false} is not_applied
+    (retryable), and must stay true: a request with that key still on its way must never apply (OrderDesk refuses
+    it; FunctionTools does not ask while the write's thread runs); anything else leaves it unknown. A run with an
+    unknown write pauses, whatever stopped it (unknown_outcome, or the cancel or deadline that cut it), with
+    result["unknown"], and nothing after it in its batch starts; the next call settles it first."""
+
+    statuses = ("superseded", "store_failed", "awaiting_approval", "approval_expired", "unknown_outcome")
+    errors = ("interrupted", "rejected", "not_applied")  # interrupted: a call a crash cut, started or not
+    options = ("store", "run_id", "approve", "approvals")
+
+    @classmethod
+    async def join(cls, run, given):
+        store, run_id, approve, approvals = (given[name] for name in cls.options)
+        if store is None:
+            for name, what in (("run_id", "run_id names a run in a store"), ("approvals", "approvals are for a run in "
+                               "a store"), ("approve", "approve needs a store, so that a write's fate survives a crash")):
+                if given[name] is not None:
+                    raise ValueError(f"{what}: give the store too")
+            return None
+        if isinstance(store, type) or not all(callable(getattr(store, name, None)) for name in STORE_METHODS):
+            raise ValueError("store must be a store, such as a SqliteStore")
         _checked_run_id(run_id)
-        self.store, self.run_id, self.registry, self.limits, self.tools = store, run_id, registry, limits, tools
+        if approve is not None and not _plain_function(approve):
+            raise ValueError("approve must be a plain function of a write's call")
+        if approvals is not None and (type(approvals) is not dict or not all(
+                type(cid) is str and type(verdict) is str and verdict in VERDICTS for cid, verdict in approvals.items())):
+            raise ValueError("approvals must be a dict of call ids to 'approve' or 'reject'")
+        store_id = getattr(store, "store_id", None)
+        if (approve is not None or approvals) and (type(store_id) is not str or not store_id):
+            raise ValueError("a store that runs writes needs a store_id of its own: their keys are made of it")
+        journal = cls(run, store, run_id, approve, dict(approvals or {}), store_id if type(store_id) is str else "")
+        await journal._open(run)
+        return journal
+
+    @classmethod
+    def refused(cls, given):
+        """A run that claim_next leased to this store goes back, if run_agent refused it."""
+        give_back, run_id = getattr(given.get("store"), "give_back", None), given.get("run_id")
+        if callable(give_back) and type(run_id) is str:
+            with contextlib.suppress(Exception):
+                give_back(run_id, aside=False)
+
+    def __init__(self, run, store, run_id, approve, approvals, store_id):
+        self.store, self.run_id, self.approve, self.approvals, self.store_id = store, run_id, approve, approvals, store_id
         self.config = canonical(_integral({
-            "limits": [getattr(limits, field.name) for field in dataclasses.fields(Limits)],
-            "registry": {name: [spec.cost, spec.read_only, spec.parallel_safe, spec.parameters]
-                         for name, spec in registry.items()}}))
-        self.holding, self.renewal, self.lost, self.unresumable = False, None, None, False
+            "limits": [getattr(run.limits, field.name) for field in dataclasses.fields(Limits)],
+            "registry": {name: [spec.cost, spec.read_only, spec.parallel_safe, spec.job, spec.parameters]
+                         for name, spec in run.registry.items()}}))
+        self.holding, self.renewal, self.lost, self.unresumable, self.generation = False, None, None, False, None
+        self.given = set()  # the writes this process handed to their tool
+
+    async def _open(self, run):
+        """Load, check, claim, load and check again: a ValueError gives back a lease claim_next or the claim took."""
         try:
-            saved = self._load()
-            self._check(saved)  # all that can refuse the run does so here, before a claim fences anyone
+            saved = self._load(run)
+            self._check(run, saved)  # all that can refuse the run does so here, before a claim fences anyone
             if saved is None or saved["status"] is None:
                 # Claimed, then read again: what another process saved before the claim is this one's to go on from.
-                self.generation, self.holding = self._asked(store.claim, run_id, self.config, time.time()), True
-                saved = self._load()
-                self._check(saved)  # again: another process may have gone on with the run in between
+                self.generation = self._stored(self.store.claim, self.run_id, self.config, time.time())
+                self.holding = True
+                saved = self._load(run)
+                self._check(run, saved)  # again: another process may have gone on with the run in between
         except ValueError:  # refused: a lease taken for it goes back (a run this code cannot resume, set aside)
-            give_back = getattr(store, "give_back", None)
+            give_back = getattr(self.store, "give_back", None)
             if self.holding:
-                self.close()
+                await self.close(run, None)
             elif callable(give_back):
                 with contextlib.suppress(Exception):
-                    give_back(run_id, aside=self.unresumable)
+                    give_back(self.run_id, aside=self.unresumable)
             raise
-        self.saved, self.lost, self.saved_records, self.events = saved, None, [], 0
-        self.paused, self.pause_began, self.paused_at, self.asked_at = 0.0, None, None, None
-        if saved:  # a run paused until now (PART 14) ends its pause here: the time paused is no time of the run's
-            self.paused, self.pause_began = saved["state"]["paused"], saved["state"]["paused_at"]
-            self.paused += 0.0 if self.pause_began is None else max(0.0, time.time() - self.pause_began)
+        state = saved["state"] if saved else _NOTHING_SAVED
+        self.saved, self.saved_records, self.events = saved, [], 0
+        self.writes, self.waits, self.asked_at = _copy(state["writes"]), state["waits"], state["asked_at"]
+        # A run paused until now ends its pause here: the time paused is no time of the run's.
+        self.paused = state["paused"] + (0.0 if state["paused_at"] is None else max(0.0, time.time() - state["paused_at"]))
+        self.paused_at = None
         self.elapsed = max(0.0, time.time() - saved["started"] - self.paused) if saved else 0.0
+        run.writes = self.approve is not None or bool(self.approvals) or bool(self.writes)  # writes are opt in
 
-    def _asked(self, method, *args):
+    def _stored(self, method, *args):
         """A store's answer; ValueError if the store failed before the run could start (a lock held, a broken file)."""
         try:
             return method(*args)
@@ -2739,10 +2159,10 @@ class _Journal(_Unsaved):
         except Exception as error:
             raise ValueError(f"{self.run_id}: the store failed: {_error_type(error)}") from None
 
-    def _load(self):
+    def _load(self, run):
         """The run as saved, checked: ValueError for one of another version or config, or that is not such data."""
-        saved, why = self._asked(self.store.load, self.run_id), None
-        if saved is not None and not _a_saved_run(saved, self.registry, self.limits):
+        saved, why = self._stored(self.store.load, self.run_id), None
+        if saved is not None and not _a_saved_run(saved, run.registry, run.limits):
             why = "what the store holds for it is not a run this version saved"
         elif saved is not None and saved["config"] != self.config:
             why = "saved with another registry or other limits"
@@ -2751,64 +2171,230 @@ class _Journal(_Unsaved):
             raise ValueError(f"{self.run_id}: {why}")
         return saved
 
-    def _check(self, saved):
-        """Refuse, before the claim, what this journal cannot go on with (PART 14 has more to check)."""
+    def _check(self, run, saved):
+        """Refuse, before the claim, what this run cannot go on with: tools that cannot serve its writes, approvals
+        for calls that wait for none."""
+        state = saved["state"] if saved else _NOTHING_SAVED
+        if self.approve is not None or self.approvals or state["writes"]:
+            check, reconcile = (getattr(type(run.tools), name, None) for name in ("check_writes", "reconcile"))
+            if check is not None:
+                check(run.tools, sorted(name for name, spec in run.registry.items() if not spec.read_only))
+            if reconcile is not None and _is_async(reconcile) is False:
+                raise ValueError("reconcile: the tools' reconcile must be async (FunctionTools takes a plain function)")
+        pending = {cid for cid, write in state["writes"].items()
+                   if write["verdict"] == "ask"} if state["waits"] == "approval" else set()
+        for cid, verdict in self.approvals.items():
+            if cid not in pending and state["writes"].get(cid, {}).get("verdict") != verdict:  # (given again: no news)
+                raise ValueError(f"{cid}: not a write awaiting approval in this run")
 
-    @property
-    def named(self):
-        return {"run_id": self.run_id}
+    # The seams.
 
-    async def resume(self, used, history, trace, used_ids, attempts, emit, act, wait):
-        """Put the saved run back into run_agent's state, and say so; return the stored result if it has ended."""
-        saved, self.state = self.saved, (used, history, trace)
+    async def resume(self, run, ended):
+        """Put the saved run back into run's state, and say so; return the stored result if it has ended."""
         self._renew_later()
-        if saved is None or not saved["trace"] and saved["state"]["used"] == _NOTHING_USED:  # new, or only claimed
-            return None
+        saved = self.saved
+        if ended is not None or saved is None or not saved["trace"] and saved["state"]["used"] == _NOTHING_USED:
+            return ended  # new, or only claimed
         if saved["status"] is not None:  # ended: its result as stored, and nothing is asked of the model or the tools
             return _copy({"status": saved["status"], "answer": saved["answer"], "used": saved["state"]["used"],
-                          "history": saved["history"], "trace": saved["trace"], **self.named})
-        used.update(saved["state"]["used"])
-        history.extend(saved["history"])
-        trace.extend(saved["trace"])
-        refused = {event["round"] for event in trace if event["event"] == "refused"}
-        for record in history:  # the ledger and the repeat counts, as they were: nothing is forgotten
-            used_ids.update(item["call_id"] for item in record["calls"])
+                          "history": saved["history"], "trace": saved["trace"], "run_id": self.run_id})
+        run.used.update(saved["state"]["used"])
+        run.history.extend(saved["history"])
+        run.trace.extend(saved["trace"])
+        run.deadline -= self.elapsed  # a resumed run's time counts from its first start
+        refused = {event["round"] for event in run.trace if event["event"] == "refused"}
+        for record in run.history:  # the ledger and the repeat counts, as they were: nothing is forgotten
+            run.ids.update(item["call_id"] for item in record["calls"])
             if record["round"] not in refused:
-                attempts.update(canonical([item["name"], item["arguments"]]) for item in record["calls"])
-        self.saved_records, self.events = [_copy(record) for record in history[-1:]], len(trace)
-        await emit({"event": "resumed", "round": used["rounds"], **used})
-        if history and self._cut(history[-1]):  # admitted, then the crash: any call of the rest may have started
-            record = history[-1]
-            cut = record["calls"][len(record["observations"]):]
-            used["calls"] += len(cut)
-            used["credits"] += sum(self.registry[item["name"]].cost for item in cut)
+                run.attempts.update(_signature(item["name"], item["arguments"]) for item in record["calls"])
+        self.saved_records, self.events = [_copy(record) for record in run.history[-1:]], len(run.trace)
+        await run.emit({"event": "resumed", "round": run.used["rounds"], **run.used}, spent=True)
+        if not run.history:
+            return None
+        record = run.history[-1]
+        if self.waits == "approval":  # the batch that waited for approvals: its gate again, then the batch
+            await _act(run, record)
+            return None
+        self.waits = None
+        cut = record["calls"][len(record["observations"]):]
+        if cut:  # admitted, then the crash: any call of the rest may have started
+            run.used["calls"] += len(cut)
+            run.used["credits"] += _cost(run.registry, cut)
             record["observations"] += [self._interrupted(item) for item in cut]
-            parallel = all(self.registry[item["name"]].parallel_safe for item in record["calls"])
-            await emit({"event": "observations", "round": record["round"], "ids": _ids(record),
-                        "parallel": parallel, **used})
-        if history:
-            await self._go_on(history[-1], act, wait, emit, used)
-            _stop_if_fatal(history[-1])  # a round that stopped the run stops it again
+            await run.emit({"event": "observations", "round": record["round"], "ids": _ids(record),
+                            "parallel": _parallel(run.registry, record["calls"]), **run.used}, spent=True)
+        await self._go_on(run, record)
+        _stop_if_fatal(record)  # a round that stopped the run stops it again
         return None
 
-    async def _go_on(self, record, act, wait, emit, used):
-        """What else a resumed run does with its last round before it decides again (PART 14 has writes to settle)."""
+    async def spent(self, run, value):
+        await self._save(run)
+        return value
 
-    def _ends(self, result):
-        """True if a run with this result has ended (PART 14 has runs that only pause)."""
-        return True
+    async def gate(self, run, observations, record, calls):
+        """The writes' gate: their verdicts, once each, before any call of the batch starts."""
+        writes = [item for item in calls if not run.registry[item["name"]].read_only]
+        if observations is not None or not run.writes or not writes:
+            return observations
+        if self.asked_at is not None and time.time() - self.asked_at > run.limits.approval_seconds:
+            self.waits = None
+            return [_failure(item, "approval_expired", False, reason="the approvals came after approval_seconds")
+                    for item in calls]
+        verdicts = {item["call_id"]: await self._verdict(run, record, item) for item in writes}
+        rejected = [cid for cid, verdict in verdicts.items() if verdict == "reject"]
+        if rejected:  # all or nothing: no call of the batch starts
+            self.asked_at = self.waits = None  # decided: a write asked about later has a clock of its own
+            return [_failure(item, "rejected", True, reason="the write was rejected" if item["call_id"] in rejected
+                             else f"another call of the batch was rejected: {rejected[0]}") for item in calls]
+        if "ask" in verdicts.values():
+            self.asked_at, self.waits = self.asked_at or time.time(), "approval"
+            raise Stop("awaiting_approval", reason="a write awaits approval")
+        self.asked_at = self.waits = None
+        await self._save(run)  # the verdicts, kept before the first call of the batch starts
+        return None
 
-    def _in_flight(self):
-        """True if a call handed over may still be running when the run is gone (PART 14 has writes that may)."""
-        return False
+    async def before_call(self, run, call, item):
+        """Stop("superseded") if this process holds the run no longer; a write is saved as handed to its tool (its
+        approval used) in a transaction of its own, then gets its key."""
+        if self.lost is None:
+            try:
+                self.store.claimed(self.run_id, self.generation)
+            except Exception as error:
+                self.lost = _lost(error)
+        if self.lost is not None:
+            raise self.lost
+        if run.registry[item["name"]].read_only:
+            return call
+        cid, key = item["call_id"], idempotency_key(self.run_id, item["call_id"], self.store_id)
+        self.writes[cid]["started"] = True
+        await run.emit({"event": "write", "round": run.history[-1]["round"], "call_id": cid, "idempotency_key": key,
+                        **run.used}, spent=True)
+        self.given.add(cid)
+        return {**call, "idempotency_key": key}
 
-    def _cut(self, record):
-        """True if the crash cut this round's batch: some of its calls have no observation."""
-        return len(record["observations"]) < len(record["calls"])
+    async def after_call(self, run, obs, item):
+        """A write handed to its tool that said nothing of its fate is reconciled."""
+        if item["call_id"] in self.given and not obs["ok"] and obs["error"] not in NOT_APPLIED:
+            return await self._reconciled(run, item, settling=False)
+        return obs
+
+    async def named(self, run, names):
+        record = run.history[-1] if run.history else None
+        pending = [self._call(item) for item in record["calls"] if self.writes.get(item["call_id"], {}).get(
+            "verdict") == "ask"] if record and self.waits == "approval" else []
+        unknown = [self._call(item) for item, obs in zip(record["calls"], record["observations"])
+                   if obs.get("error") == "unknown_outcome"] if record else []
+        return {**names, "run_id": self.run_id, **({"pending": pending} if pending else {}),
+                **({"unknown": unknown} if unknown else {})}
+
+    async def end(self, run, result):
+        """The end saved, or a pause: for approvals, or while a write's outcome is unknown, whatever stopped the run
+        (a cancel or the deadline that cut a write does not end it: the next call settles the write, and goes on)."""
+        if self.lost is not None:
+            return _unsaved_end(result, self.lost)
+        self.waits = "approval" if result["status"] == "awaiting_approval" else "outcome" if "unknown" in result else None
+        if self.waits is not None:
+            self.paused_at = time.time()  # a pause: its time is not counted against the run's
+        try:
+            await self._save(run, None if self.waits else (result["status"], result["answer"]))
+        except Stop:
+            return _unsaved_end(result, self.lost)
+        return result
+
+    async def close(self, run, value):
+        """When run_agent returns, or is cut: renew no more, and let a lease still held go (an ended run's is), unless
+        a write may still be running (its task's cancel cut it): then the lease runs out."""
+        if self.renewal is not None:
+            self.renewal.cancel()
+        observed = {obs["call_id"] for record in run.history for obs in record["observations"]}
+        release = getattr(self.store, "release", None)
+        if self.holding and self.lost is None and callable(release) and not self.given - observed:
+            self.holding = False
+            with contextlib.suppress(Exception):  # not let go, it runs out
+                release(self.run_id, self.generation)
+        return value
+
+    # The journal's own steps.
+
+    def _state(self, run):
+        return {"used": run.used, "paused": self.paused, "paused_at": self.paused_at, "asked_at": self.asked_at,
+                "waits": self.waits, "writes": self.writes}
+
+    async def _save(self, run, end=None):
+        """Save what changed since the last save (the run's end too), in one transaction; else Stop("superseded") if
+        another process has claimed the run since, Stop("store_failed") if the store failed: nothing more is saved."""
+        if self.lost is not None:
+            raise self.lost
+        # The records that changed since the last save: the new ones, and the last one saved if it gained observations.
+        first = len(run.history) - len(self.saved_records) if self.saved_records else 0
+        records = [record for record in run.history[max(first, 0):] if record not in self.saved_records]
+        try:
+            self.store.save(self.run_id, self.generation, self._state(run), records, run.trace[self.events:], end)
+        except Exception as error:  # Superseded, or the database's own error (a full disk, a lock held too long)
+            self.lost = _lost(error)
+            raise self.lost from None
+        self.saved_records, self.events = [_copy(record) for record in run.history[-1:]], len(run.trace)
+        self.holding = self.holding and end is None and self.paused_at is None  # an end or a pause lets it go
+
+    async def _verdict(self, run, record, item):
+        """The verdict on one write: yours if you gave one, else the saved one, else the policy's, asked once."""
+        cid, write = item["call_id"], self.writes.get(item["call_id"])
+        if cid in self.approvals and (write is None or write["verdict"] == "ask"):
+            write = self.writes[cid] = {"verdict": self.approvals[cid], "by": "approvals", "started": False}
+        elif write is None:
+            said = _plain_call(self.approve, self._call(item)) if self.approve is not None else "ask"
+            verdict = said if type(said) is str and said in (*VERDICTS, "ask") else "ask"
+            write = self.writes[cid] = {"verdict": verdict, "by": "policy", "started": False}
+        else:
+            return write["verdict"]
+        await run.emit({"event": "approval", "round": record["round"], "call_id": cid, "verdict": write["verdict"],
+                        "by": write["by"], **run.used})
+        return write["verdict"]
+
+    def _call(self, item):
+        """A write as the gate, the tool and reconcile see it: a copy of the call, and its idempotency_key."""
+        return {**_copy(item), "idempotency_key": idempotency_key(self.run_id, item["call_id"], self.store_id)}
 
     def _interrupted(self, item):
-        """The observation of a call a crash cut, that may have started or not."""
+        """The observation of a call a crash cut: a write handed to its tool may have applied; any other call may
+        have started, or not."""
+        if self.writes.get(item["call_id"], {}).get("started"):
+            return _failure(item, "unknown_outcome", False, reason="the write may have applied")
         return _failure(item, "interrupted", True)
+
+    async def _go_on(self, run, record):
+        """What else a resumed run does with its last round before it decides again: each write whose outcome is
+        unknown is asked about again; once all are settled, the calls of the batch that never started after them run."""
+        done = record["observations"]
+        for index, (item, obs) in enumerate(zip(record["calls"], done)):
+            if obs.get("error") == "unknown_outcome":  # asked again, with the same key, even past the deadline
+                done[index] = known = await self._reconciled(run, item, settling=True)
+                await run.emit({"event": "reconciled", "round": record["round"], "call_id": item["call_id"],
+                                "outcome": "applied" if known["ok"] else known["error"], **run.used}, spent=True)
+        aborted = [index for index, obs in enumerate(done) if obs.get("error") == "batch_aborted"]
+        if aborted and not any(map(_fatal, done[:aborted[0]])):
+            del done[aborted[0]:]  # settled: the calls that never started after it run now
+            await _act(run, record)
+
+    async def _reconciled(self, run, item, settling):
+        """What reconcile says of a write whose outcome is unknown: applied, not applied, or still unknown. It is
+        bounded by tool_seconds and the run's time left and cancel; settling a write on resume, by tool_seconds alone."""
+        reconcile, said, call = getattr(run.tools, "reconcile", None), None, self._call(item)
+        if callable(reconcile):
+            try:
+                if settling:
+                    said = await bounded(lambda: reconcile(call), run.limits.tool_seconds, asyncio.Event())
+                else:
+                    said = await run.wait(lambda: reconcile(call), run.limits.tool_seconds)
+            except Exception:  # it raised, hung past its time, or the run was cut: nothing is known
+                said = None
+            said = _copy(said) if _is_data(said) else _discard(said)  # what is not plain data says nothing
+        if type(said) is dict and said.get("applied") is True and said.keys() <= {"applied", "data"} and \
+                _is_data(said.get("data")):
+            return {**_copy(item), "ok": True, "data": said.get("data"), "reconciled": True}
+        if type(said) is dict and said.keys() == {"applied"} and said["applied"] is False:  # false, not 0
+            return _failure(item, "not_applied", True, reason="reconcile says it did not apply")
+        return _failure(item, "unknown_outcome", False, reason="the write may have applied: reconcile could not tell")
 
     def _renew_later(self):
         """While the run holds a lease, renew it every third of it: a run that waits long keeps it."""
@@ -2825,65 +2411,10 @@ class _Journal(_Unsaved):
             return
         self._renew_later()
 
-    def close(self):
-        """When run_agent returns, or is cut: renew no more, and let a lease still held go (an ended run's is), unless
-        a call may still be running (PART 14: a write its task's cancel cut): then the lease runs out."""
-        if self.renewal is not None:
-            self.renewal.cancel()
-        release = getattr(self.store, "release", None)
-        if self.holding and self.lost is None and callable(release) and not self._in_flight():
-            self.holding = False
-            with contextlib.suppress(Exception):  # not let go, it runs out
-                release(self.run_id, self.generation)
-
-    def saw(self, event):
-        if event["event"] != "decision":  # a decision spends nothing: it is saved with what comes of it
-            self.save()
-
-    async def started(self, item):
-        """Before a call is handed over: Stop("superseded") if this process holds the run no longer."""
-        if self.lost is None:
-            try:
-                self.store.claimed(self.run_id, self.generation)
-            except Exception as error:
-                self.lost = _lost(error)
-        if self.lost is not None:
-            raise self.lost
-
-    def save(self, result=None):
-        """Save what changed since the last save (the run's end too, given its result), in one transaction; else
-        Stop("superseded") if another process has claimed the run since, Stop("store_failed") if the store failed.
-        Return the result; at the end, a run that could not save it has that status, its answer dropped."""
-        if self.lost is not None:  # nothing is saved once the claim is lost, or the store failed
-            if result is None:
-                raise self.lost
-            return _unsaved_end(result, self.lost)
-        used, history, trace = self.state
-        end = None if result is None or not self._ends(result) else (result["status"], result["answer"])
-        if result is not None and end is None:  # a pause: its time is not counted against the run's
-            self.paused_at = time.time()
-        # The records that changed since the last save: the new ones, and the last one saved if it gained observations.
-        first = len(history) - len(self.saved_records[-1:]) if self.saved_records else 0
-        records = [record for record in history[max(first, 0):] if record not in self.saved_records]
-        state = {"used": used, "paused": self.paused, "paused_at": self.paused_at, "asked_at": self.asked_at}
-        try:
-            self.store.save(self.run_id, self.generation, state, records, trace[self.events:], end)
-        except Exception as error:  # Superseded, or the database's own error (a full disk, a lock held too long)
-            self.lost = _lost(error)
-            if result is not None:
-                return _unsaved_end(result, self.lost)
-            raise self.lost from None
-        self.saved_records, self.events = [_copy(record) for record in history[-1:]], len(trace)
-        self.holding = self.holding and result is None  # an end or a pause lets the lease go
-        return result
-
 
 def _checked_run_id(run_id):
     if type(run_id) is not str or not 1 <= len(run_id) <= 80 or not run_id.isprintable():
         raise ValueError("run_id must be a string of 1 to 80 printable characters")
-
-
-JOURNALS = {"reads": _Journal}  # the journals a store makes: PART 14 adds the one that runs writes
 
 
 def _unsaved_end(result, lost):
@@ -2893,19 +2424,26 @@ def _unsaved_end(result, lost):
     return {**result, "status": str(lost), "answer": None, "trace": [*result["trace"][:-1], stop]}
 
 
+_SAVED_KEYS = {"config", "started", "generation", "state", "history", "trace", "status", "answer"}
+_WRITE_KEYS = {"verdict", "by", "started"}
+
+
 def _a_saved_run(saved, registry, limits):
     """True if saved is a run as a store holds it, plain data of the right shapes, within the limits, coherent. A
     store is the runtime's own record: an edit that keeps all of this (a count lowered, a round or event deleted, an
     answer changed) is not found."""
     if not _has_keys(saved, _SAVED_KEYS) or not all(map(_is_data, saved.values())):
         return False
-    state, history, trace = saved["state"], saved["history"], saved["trace"]
+    state, history, trace, statuses = saved["state"], saved["history"], saved["trace"], every_status()
     if not (_has_keys(state, set(_NOTHING_SAVED)) and _has_keys(state["used"], set(_NOTHING_USED))
             and type(history) is list and type(trace) is list and type(saved["config"]) is str
             and type(saved["started"]) in (int, float) and type(saved["generation"]) is int
-            and (saved["status"] is None or saved["status"] in STOP_STATUSES)
-            and type(state["paused"]) in (int, float)
-            and all(state[key] is None or type(state[key]) in (int, float) for key in ("paused_at", "asked_at"))):
+            and (saved["status"] is None or saved["status"] in statuses) and type(state["paused"]) in (int, float)
+            and all(state[key] is None or type(state[key]) in (int, float) for key in ("paused_at", "asked_at"))
+            and state["waits"] in (None, "approval", "outcome") and type(state["writes"]) is dict
+            and all(_has_keys(write, _WRITE_KEYS) and write["verdict"] in (*VERDICTS, "ask")
+                    and write["by"] in ("policy", "approvals") and type(write["started"]) is bool
+                    for write in state["writes"].values())):
         return False
     used = state["used"]
     within = [(used["rounds"], limits.rounds), (used["calls"], limits.calls), (used["credits"], limits.credits)]
@@ -2931,25 +2469,27 @@ def _a_saved_run(saved, registry, limits):
         return False
     if sum(obs["ok"] for record in history for obs in record["observations"]) > used["calls"]:
         return False  # a call that succeeded was started, and counted
-    fatal = [next((obs["error"] for obs in record["observations"] if not obs["ok"] and not obs["retryable"]), None)
-             for record in history]
-    if any(error is not None and error not in STOP_STATUSES for error in fatal):
-        return False  # the first failure of a round that the model may not retry is the status it stops with
-    cut = history[-1]["calls"][len(history[-1]["observations"]):] if history else []
-    if any(item["name"] not in registry or type(item["arguments"]) is not dict for item in cut):
-        return False  # a cut batch's calls passed preflight: calls of this registry's tools (a refused one may not)
-    if used["calls"] + len(cut) > limits.calls or \
-            used["credits"] + sum(registry[item["name"]].cost for item in cut) > limits.credits:
-        return False  # and the budgets admitted them: charged whole, they still fit
+    if any(next((obs["error"] for obs in filter(_fatal, record["observations"])), None) not in (None, *statuses)
+           for record in history):
+        return False  # the first failure of a round that the model may not retry is the status the run stops with
+    if not all(type(event) is dict and type(event.get("event")) is str
+               and (event["event"] != "refused" or type(event.get("round")) is int)
+               and (event["event"] != "stop" or event.get("status") in statuses) for event in trace):
+        return False
     if saved["status"] is not None and not (trace and trace[-1].get("event") == "stop"
                                             and trace[-1].get("status") == saved["status"]
                                             and (saved["status"] == "completed" or saved["answer"] is None)):
         return False  # an end is its last event's, and only a completed run has an answer
-    return all(type(event) is dict and type(event.get("event")) is str
-               and (event["event"] != "refused" or type(event.get("round")) is int)
-               and (event["event"] != "stop" or event.get("status") in STOP_STATUSES)
-               and (event["event"] not in ("write", "approval") or type(event.get("call_id")) is str)
-               and (event["event"] != "approval" or type(event.get("decision")) is str) for event in trace)
+    if not history:
+        return True
+    # The last round, unless it was a refusal observed, is a batch that passed preflight: every call a call of this
+    # registry's tools, with arguments that are a dict; and the budgets admitted it: charged whole, it fits.
+    last, refused = history[-1], {event["round"] for event in trace if event["event"] == "refused"}
+    cut = last["calls"][len(last["observations"]):]
+    if (last["round"] not in refused or cut) and any(item["name"] not in registry or type(item["arguments"]) is not
+                                                     dict for item in last["calls"]):
+        return False
+    return used["calls"] + len(cut) <= limits.calls and used["credits"] + _cost(registry, cut) <= limits.credits
 
 
 def _a_saved_observation(obs, item, registry):
@@ -2959,12 +2499,87 @@ def _a_saved_observation(obs, item, registry):
         return "data" in obs
     error = obs.get("error")
     return type(obs.get("retryable")) is bool and type(error) is str and \
-        (error in OBSERVATION_ERRORS or error in STOP_STATUSES and error != "completed") and \
+        (error in every_error() or error in every_status() and error != "completed") and \
         (error != "unknown_outcome" or item["name"] in registry and not registry[item["name"]].read_only)
 
 
-_SAVED_KEYS = {"config", "started", "generation", "state", "history", "trace", "status", "answer"}
+# The inventory's write: place the restock order the plan computed. It has a registry of its own; TOOLS stays the
+# article's, where place_order is an unknown tool.
+_ORDER_LINE = _closed(sku={"type": "string", "enum": list(SKUS)}, qty={"type": "integer", "minimum": 1,
+                                                                        "maximum": MAX_AMOUNT},
+                      cents={"type": "integer", "minimum": 0})
+ORDER_TOOLS = {**TOOLS, "place_order": ToolSpec(
+    3, False, False, description="Place the restock order: the plan's items, once (a write).",
+    parameters=_closed(items={"type": "array", "minItems": 1, "maxItems": 4, "items": _ORDER_LINE}))}
 
+
+@dataclass
+class OrderDesk(Fixtures):
+    """The inventory's tools and its write: place_order applies an order once per idempotency key, whatever calls
+    it again, and reconcile says whether a key's order applied; once it has said no, that key never applies (a
+    late call with it is refused), so that the no stays true. Faults: "temporary" (nothing placed), "timeout" (it
+    hangs before it places anything) and "timeout_after_apply" (it places the order, then never answers)."""
+
+    orders: dict = field(default_factory=dict)  # idempotency key -> the order placed
+    effects: list = field(default_factory=list)  # each key once per time an order applied: a key twice is a bug
+    voided: set = field(default_factory=set)  # keys reconcile said did not apply
+
+    async def invoke(self, call):
+        """Read, plan, or place the order."""
+        if call["name"] != "place_order":
+            return await super().invoke(call)
+        faults = self.failures.get("place_order")
+        fault = faults.pop(0) if faults else None
+        key = call["idempotency_key"]
+        self.started.append(call["call_id"])
+        try:
+            await asyncio.sleep(0)
+            if fault == "temporary":
+                raise TemporaryError("private detail: the desk was busy, nothing placed")
+            if fault == "timeout":
+                await asyncio.sleep(10)  # it hangs before it places anything
+            if key in self.voided:
+                raise ToolError("this order was reconciled as not placed")
+            if key not in self.orders:
+                self.orders[key] = {"order": f"PO-{len(self.orders) + 1}", "items": call["arguments"]["items"]}
+                self.effects.append(key)
+            if fault == "timeout_after_apply":
+                await asyncio.sleep(10)  # placed, but the answer never comes
+            return _copy(self.orders[key])
+        finally:
+            self.finished.append(call["call_id"])
+
+    async def reconcile(self, call):
+        """Whether the order of this call's idempotency key was placed."""
+        order = self.orders.get(call["idempotency_key"])
+        if order is None:
+            self.voided.add(call["idempotency_key"])  # said no: a call with this key still on its way is refused
+        return {"applied": True, "data": _copy(order)} if order else {"applied": False}
+
+
+def order_accepted(answer, history):
+    """The inventory's final check, and the order placed for the plan's items: a write counts only once it is known
+    to have applied (an unknown outcome is no evidence)."""
+    orders = [obs for obs in _successes(history) if obs["name"] == "place_order"]
+    return accepted(answer, history) and any(
+        canonical(obs["arguments"]) == canonical({"items": answer["items"]}) for obs in orders)
+
+
+async def order_model(history):
+    """fake_model, then, once the plan is computed, the order of its items; then the plan as the answer."""
+    plans = [obs["data"] for obs in _successes(history) if obs["name"] == "compute_plan"]
+    orders = [obs for obs in _successes(history) if obs["name"] == "place_order"]
+    if plans and not orders:
+        items = plans[-1]["items"]
+        return {"kind": "calls", "calls": [call(f"r{len(history) + 1}-order", "place_order", items=items)]}
+    return await fake_model(history)
+
+
+# PART 11: many workers, one database: runs leased to a pool of processes, on SQLite or on PostgreSQL
+#
+# A worker is a loop over the store's queue: claim the next run, run it, repeat. Start as many as you like, on one
+# machine (SQLite) or on several (PostgreSQL): a run is one worker's at a time, and a worker that dies holds its run
+# only until its lease runs out.
 
 class SqlStore(Store):
     """Runs saved in a SQL database that a pool of workers can share: SQLite, or PostgreSQL through your connection.
@@ -3291,8 +2906,6 @@ class SqliteStore(SqlStore):
         super().__init__(lambda: db, lease_seconds, clock)
 
 
-_NOTHING_USED = {"rounds": 0, "calls": 0, "credits": 0}
-_NOTHING_SAVED = {"used": _NOTHING_USED, "paused": 0.0, "paused_at": None, "asked_at": None}  # a run's state, new
 _STORE_TABLES = """
 CREATE TABLE IF NOT EXISTS agent_loop_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS agent_loop_runs (run_id TEXT PRIMARY KEY, generation INTEGER NOT NULL,
@@ -3306,6 +2919,35 @@ CREATE TABLE IF NOT EXISTS agent_loop_events (run_id TEXT NOT NULL, seq INTEGER 
 _STORE_COLUMNS = ("run_id, generation, added, config, started, state, status, answer, holder, lease_until, waiting "
                   "FROM agent_loop_runs", "run_id, round, body FROM agent_loop_records",
                   "run_id, seq, body FROM agent_loop_events")
+
+
+# ======================================================================================================================
+# Around the runtime. The module cut above this banner (with its __main__ block) is the whole runtime: your own tools,
+# refusals observed, the bridges, MCP, named runs, writes and the pool. Below it is only what serves around it: the
+# atlas of scenarios and its doubles, the benchmark, the timeline, and the commands beyond demo.
+# ======================================================================================================================
+
+
+# PART 12: the scenario atlas: one small, deterministic run per stop status, the later parts' too
+
+async def _hanging_model(history):
+    await asyncio.sleep(10)
+
+
+async def _failing_model(history):
+    raise RuntimeError("private detail of a model failure")
+
+
+async def _obeying_note(history):
+    """fake_model, except that it follows the injected note once it has read it."""
+    if any(obs["data"].get("note") == NOTE for obs in _successes(history)):
+        return {"kind": "calls", "calls": [call("order", "place_order", sku="CUP", qty=100)]}
+    return await fake_model(history)
+
+
+_SERIAL = {"read_partition": {"parallel_safe": False}}
+_HANG = {"north": ["timeout"], "south": ["timeout"]}
+_NORTH = call("a", partition="north")
 
 
 class _Held(Fixtures):
@@ -3381,14 +3023,300 @@ async def _disk_full(on_event=None, timeline=None):
         return await run_agent(model, store=store, run_id="job", fixtures=tools, on_event=watcher), fixtures
 
 
-ATLAS += (
+class _Unsure(OrderDesk):
+    """A desk that can never say whether an order applied."""
+
+    async def reconcile(self, call):
+        return {"applied": "perhaps"}
+
+
+async def _order_run(store, fixtures, on_event=None, timeline=None, **options):
+    model, tools, watcher = _recorded(timeline, order_model, fixtures, on_event)
+    return await run_agent(model, registry=ORDER_TOOLS, accept=order_accepted, fixtures=tools, store=store,
+                           run_id="order", on_event=watcher, **options)
+
+
+async def _asked_about(on_event=None, timeline=None):
+    """The policy asks about the order: the run pauses before it starts."""
+    with SqliteStore(":memory:") as store:
+        fixtures = OrderDesk(delays={})
+        return await _order_run(store, fixtures, on_event, timeline, approve=lambda write: "ask"), fixtures
+
+
+async def _decided_too_late(on_event=None, timeline=None):
+    """The order waits for a decision, which comes after approval_seconds: nothing of its batch starts."""
+    with SqliteStore(":memory:") as store:
+        limits = replace(Limits(), approval_seconds=0.05)
+        await _order_run(store, OrderDesk(delays={}), approve=lambda write: "ask", limits=limits)
+        await asyncio.sleep(0.1)
+        fixtures = OrderDesk(delays={})
+        result = await _order_run(store, fixtures, on_event, timeline, approvals={"r3-order": "approve"},
+                                  limits=limits)
+        return result, fixtures
+
+
+async def _unsure(on_event=None, timeline=None):
+    """The order timed out after it was placed, and reconcile could not tell: the run pauses, nothing after it."""
+    with SqliteStore(":memory:") as store:
+        fixtures = _Unsure(delays={}, failures={"place_order": ["timeout_after_apply"]})
+        return await _order_run(store, fixtures, on_event, timeline, approve=lambda write: "approve"), fixtures
+
+
+# (name, what happened, how to run it). Each run uses the module's own Fixtures, fake_model and
+# Limits; the keys: model, limits (fields of Limits), failures, inject, registry (fields of
+# ToolSpec per tool), cancel_after (set the cancel event once that many tools have started).
+ATLAS = (
+    ("completed", "both reads in one parallel batch, then the plan; the answer passed the final check", {}),
+    ("round_limit", "two rounds read and planned; no round was left for the answer", {"limits": {"rounds": 2}}),
+    ("call_limit", "the first batch holds two reads but one call was allowed: nothing ran", {"limits": {"calls": 1}}),
+    ("credit_limit", "the plan was computed, then 14 + 3 credits for the answer passed 16",
+     {"limits": {"credits": 16}}),
+    ("deadline", "both reads hung; the 0.3 s run deadline cut them off (tool_timeout) and ended the run",
+     {"failures": _HANG, "limits": {"total_seconds": 0.3, "tool_seconds": 1}}),
+    ("cancelled", "the cancel event was set while both reads ran; both were cancelled and kept as observations",
+     {"failures": _HANG, "limits": {"tool_seconds": 5}, "cancel_after": 2}),
+    ("model_timeout", "the model did not decide within 0.05 s",
+     {"model": _hanging_model, "limits": {"model_seconds": 0.05}}),
+    ("model_exception", "the model raised; its message is not kept", {"model": _failing_model}),
+    ("invalid_decision", "the model returned text instead of a decision", {"model": scripted("the total is 21900")}),
+    ("invalid_final", "a correct answer guessed before any evidence was read",
+     {"model": scripted({"kind": "final", "answer": make_plan(DATA["north"] + DATA["south"])})}),
+    ("invalid_batch", "an empty batch of calls", {"model": scripted({"kind": "calls", "calls": []})}),
+    ("invalid_call", "a call that is a string, not a dict",
+     {"model": scripted({"kind": "calls", "calls": ["read north"]})}),
+    ("invalid_call_id", "an empty call id",
+     {"model": scripted({"kind": "calls", "calls": [call("", partition="north")]})}),
+    ("duplicate_call_id", "two calls with the id 'a' in one batch: nothing ran",
+     {"model": scripted({"kind": "calls", "calls": [_NORTH, call("a", partition="south")]})}),
+    ("unknown_tool", "the injected note asked for place_order; text in data grants no tool",
+     {"model": _obeying_note, "inject": True}),
+    ("permission_denied", "north refused permission; in a serial batch south was then batch_aborted",
+     {"failures": {"north": ["permission"]}, "registry": _SERIAL}),
+    ("invalid_arguments", "a path-like partition, '../north'",
+     {"model": scripted({"kind": "calls", "calls": [call("a", partition="../north")]})}),
+    ("repeat_limit", "north failed temporarily twice; a third identical read was refused",
+     {"failures": {"north": ["temporary", "temporary"]}}),
+    ("tool_exception", "north had an internal fault; its message is not kept", {"failures": {"north": ["bug"]}}),
+    # The later parts' statuses, and a run that resumed (PART 10 and 11).
     ("superseded", "another process resumed the run while its reads ran: its next save was refused, nothing more "
                    "started", {"run": _taken_over, "drawn": False}),
     ("store_failed", "the store's disk was full as the first batch was admitted: no tool started",
      {"run": _disk_full}),
     ("resumed", "the run was cut as a crash cuts it while both reads ran, and resumed: both interrupted, read "
                 "again, completed", {"run": _crashed_and_resumed, "drawn": False}),
+    ("awaiting_approval", "the approval policy asked about the order: the run paused before it started",
+     {"run": _asked_about}),
+    ("approval_expired", "the order's approval came after approval_seconds: it never started",
+     {"run": _decided_too_late, "drawn": False}),
+    ("unknown_outcome", "the order timed out after it applied and reconcile could not tell: the run paused",
+     {"run": _unsure}),
 )
+
+
+@dataclass
+class _CancelAfter(Fixtures):
+    cancel: asyncio.Event = None
+    after: int = 0
+
+    async def invoke(self, call):
+        if len(self.started) + 1 == self.after:
+            asyncio.get_running_loop().call_soon(self.cancel.set)  # once this call has started too
+        return await super().invoke(call)
+
+
+async def run_scenario(name, on_event=None, timeline=None):
+    """Run one scenario of the atlas, drawn by timeline if one is given; return (result, fixtures)."""
+    how = next(how for title, _, how in ATLAS if title == name)
+    if "run" in how:  # a scenario of a later part, that runs itself
+        return await how["run"](on_event, timeline)
+    cancel = asyncio.Event()
+    fixtures = _CancelAfter(failures=copy.deepcopy(how.get("failures", {})), inject=how.get("inject", False),
+                            cancel=cancel, after=how.get("cancel_after", 0))
+    registry = {tool: replace(spec, **how.get("registry", {}).get(tool, {})) for tool, spec in TOOLS.items()}
+    limits = replace(Limits(), **how.get("limits", {}))
+    model, tools = how.get("model", fake_model), fixtures
+    if timeline is not None:
+        timeline.limits = timeline.limits or limits
+        model, tools, on_event = timeline.model(model), timeline.tools(fixtures), timeline.watching(on_event)
+    result = await run_agent(model, limits=limits, fixtures=tools, cancel=cancel, registry=registry,
+                             on_event=on_event)
+    return result, fixtures
+
+
+def _errors(result):
+    return [obs["error"] for record in result["history"] for obs in record["observations"] if not obs["ok"]]
+
+
+async def scenarios(name=None, as_json=False, timeline=None):
+    """Print the atlas as a table (or JSON), or one scenario's events as they happen, then its status and answer;
+    return that scenario's result (recorded by timeline, if given)."""
+    if name is not None:
+        print(f"{name}: each trace event as it happens")
+        result, fixtures = await run_scenario(name, lambda event: _show(event, sort_keys=True), timeline)
+        print(name, result["status"], result["used"])
+        print("finish order:", fixtures.finished)
+        _show(result["answer"])
+        return result
+    rows = []
+    for title, why, _ in ATLAS:
+        result, _ = await run_scenario(title)
+        rows.append({"name": title, "status": result["status"], "used": result["used"],
+                     "errors": _errors(result), "why": why})
+    if as_json:
+        _show(rows)
+        return None
+    print(f"{'scenario':<18} {'status':<18} {'rounds':>6} {'calls':>5} {'credits':>7}  what happened")
+    for row in rows:
+        used = row["used"]
+        print(f"{row['name']:<18} {row['status']:<18} {used['rounds']:>6} {used['calls']:>5} {used['credits']:>7}"
+              f"  {row['why']}")
+    return None
+
+
+def _atlas_options(parser):
+    parser.add_argument("name", nargs="?", choices=[scenario[0] for scenario in ATLAS], metavar="NAME",
+                        help="print this scenario's trace events as they happen, then its status and answer")
+    parser.add_argument("--json", action="store_true", help="print the table as a JSON list")
+
+
+def _atlas_arguments(args, parser):
+    if args.json and args.name:
+        parser.error("--json prints the table of every scenario: give no NAME")
+
+
+async def _atlas_command(args, parser, timeline=None):
+    _atlas_arguments(args, parser)
+    return await scenarios(args.name, args.json, timeline)
+
+
+class _Atlas(Part):
+    """The atlas, as the core reads it: its command."""
+
+    commands = {"scenarios": ("one small run per stop status, and why it stopped", _atlas_options, _atlas_command)}
+
+
+# PART 13: the benchmark: what parallel batches and bounded waits buy, what the runtime costs, and the store's and the
+# pool's figures
+
+BENCH_WAIT = 0.05  # seconds each tool waits in the parallel-efficiency batches
+
+
+async def _tick(n):
+    return {"n": n}
+
+
+async def _wait(n):
+    await asyncio.sleep(BENCH_WAIT)
+    return {"n": n}
+
+
+async def _hang(n):
+    await asyncio.sleep(60)
+
+
+_BENCH_FUNCTIONS = {"tick": _tick, "wait": _wait, "hang": _hang}
+
+
+def _accepts_nothing(answer, history):
+    return False  # the bench's runs are about time, not answers
+
+
+def _bench_registry(parallel=True):
+    return {name: ToolSpec(0, True, parallel, validate=lambda args: True) for name in ("tick", "wait", "hang")}
+
+
+def _batches(name, per_round):
+    """A model that asks for `per_round` calls of one tool every round, with fresh ids and arguments."""
+    async def model(history):
+        number = len(history) + 1
+        batch = [call(f"{name}{number}-{i}", name, n=number * 10 + i) for i in range(per_round)]
+        return {"kind": "calls", "calls": batch}
+    return model
+
+
+def _roomy(rounds, calls, **seconds):
+    times = {"tool_seconds": 30, "model_seconds": 30, "total_seconds": 600, **seconds}
+    return Limits(rounds=rounds, calls=calls, credits=MODEL_COST * rounds, attempts=1, **times)
+
+
+async def _timed(model, limits, parallel=True):
+    tools = FunctionTools(_BENCH_FUNCTIONS)
+    start = time.perf_counter()
+    registry = _bench_registry(parallel)
+    result = await run_agent(model, limits=limits, fixtures=tools, registry=registry, accept=_accepts_nothing)
+    return time.perf_counter() - start, result
+
+
+def _spread(samples, scale=1.0):
+    """Median, min and max of samples, scaled."""
+    return {"median": statistics.median(samples) * scale, "min": min(samples) * scale, "max": max(samples) * scale}
+
+
+async def _parallel_efficiency(repeats):
+    figures = {}
+    for k in (1, 2, 4):
+        figures[str(k)] = {}
+        for mode, parallel in (("parallel", True), ("serial", False)):
+            walls = [(await _timed(_batches("wait", k), _roomy(1, k), parallel))[0] for _ in range(repeats)]
+            figures[str(k)][mode] = _spread(walls, 1 / BENCH_WAIT)
+    return figures
+
+
+async def _overhead(repeats, runs=40, rounds=5):
+    """Microseconds of the runtime's own work per round (one instant call) and per further call in a batch."""
+    per_round, per_call = [], []
+    for _ in range(repeats):
+        one = sum([(await _timed(_batches("tick", 1), _roomy(rounds, rounds)))[0] for _ in range(runs)])
+        four = sum([(await _timed(_batches("tick", 4), _roomy(rounds, 4 * rounds)))[0] for _ in range(runs)])
+        per_round.append(one / (runs * rounds))
+        per_call.append((four - one) / (3 * runs * rounds))
+    return {"round_us": _spread(per_round, 1e6), "call_us": _spread(per_call, 1e6)}
+
+
+async def _limit_overshoot(runs):
+    """Milliseconds past tool_seconds until a hanging tool stopped, and past total_seconds until run_agent returned."""
+    tool, total = [], []
+    for _ in range(runs):
+        stopped = []
+
+        class Recorded(FunctionTools):
+            async def invoke(self, call):
+                start = time.perf_counter()
+                try:
+                    return await super().invoke(call)
+                finally:
+                    stopped.append(time.perf_counter() - start)
+
+        hanging = Recorded(_BENCH_FUNCTIONS)
+        await run_agent(_batches("hang", 1), limits=_roomy(1, 1, tool_seconds=0.05), fixtures=hanging,
+                        registry=_bench_registry(), accept=_accepts_nothing)
+        tool.append(stopped[0] - 0.05)
+        wall, _ = await _timed(_batches("hang", 1), _roomy(1, 1, total_seconds=0.1))
+        total.append(wall - 0.1)
+    return {"tool_ms": _spread(tool, 1e3), "total_ms": _spread(total, 1e3)}
+
+
+async def _growth(sizes, samples=20):
+    """Milliseconds per round once history holds n rounds, beside the cheapest exact copy of that history (the copy
+    floor: a round copies it once, for the model)."""
+    figures, ticks = {}, _batches("tick", 1)
+    for n in sizes:
+        marks = []
+
+        async def model(history):
+            marks.append(time.perf_counter())  # one mark per decision: a round is the time between two
+            return await ticks(history)
+
+        _, result = await _timed(model, _roomy(n + 1, n + 1))
+        rounds = [after - before for before, after in zip(marks, marks[1:])][-samples:]
+        history = result["history"][:n]
+        copies = []
+        for _ in range(min(samples, len(rounds))):
+            start = time.perf_counter()
+            _copy(history)
+            copies.append(time.perf_counter() - start)
+        figures[str(n)] = {"round_ms": _spread(rounds, 1e3), "copy_ms": _spread(copies, 1e3)}
+    return figures
 
 
 def _sqlite_place(folder):
@@ -3428,394 +3356,6 @@ def _show_store_cost(number, figures, cell, where="SQLite, synchronous=FULL"):
     for n, spread in figures.items():
         print(f"   n={n:<5} per round {cell(**spread)}")
 
-
-BENCH_PARTS.append(("store_ms", _store_cost, _show_store_cost))
-
-
-# PART 14: tools that write: approved before they start, keyed so that none applies twice, unknown outcomes settled
-
-# A write awaits a decision, or a write's outcome is unknown: the run pauses (a call made later goes on); or the
-# decision came too late, and the run ends. A rejected write, and one that did not apply, the model may plan around.
-STOP_STATUSES += ("awaiting_approval", "approval_expired", "unknown_outcome")
-OBSERVATION_ERRORS += ("rejected", "not_applied")
-PAUSES = ("awaiting_approval", "unknown_outcome")
-DECISIONS = ("approve", "reject")
-NOT_APPLIED = ("tool_error", "temporary", "permission_denied")  # a write whose tool raised these did not apply
-
-
-def idempotency_key(run_id, call_id, store_id=""):
-    """The key of a write: one per store, run and call id, the same across retries, resumes and processes (a run of
-    the same name in another store has keys of its own)."""
-    return hashlib.sha256(canonical([store_id, run_id, call_id]).encode()).hexdigest()
-
-
-class _WriteJournal(_Journal):
-    """The journal of a run with writes, run_agent(..., store=..., run_id=..., approve=policy, decisions=...).
-
-    The gate: once the budgets have admitted a batch, before any call of it starts, approve (a plain function of a
-    copy of each write: call_id, name, arguments, idempotency_key) is asked once per write, and says "approve",
-    "reject" or "ask"; anything else it returns, or raises, is "ask". A rejected write stops the whole batch: each
-    call is observed "rejected" (retryable, saying which write was), nothing starts, and the model decides again. A
-    write that is asked about pauses the run before anything of its batch starts: awaiting_approval, with
-    result["pending"]. The same call later with decisions={call_id: "approve" or "reject"} goes on with the calls
-    as saved; decisions are kept until every pending write has one; a decision for a call that is not pending (or no
-    longer: checked again once the run is claimed) is a ValueError, unless it is the one already saved; a call made
-    more than Limits.approval_seconds after the write was first asked about ends the run approval_expired, and
-    nothing of the batch starts. The time paused is no time of the run's. decisions={} is no decision.
-
-    A batch with a write runs serially. Each write is saved as started (consuming its approval) before its tool gets
-    it, with its idempotency_key as a fourth key, and its observation is saved when it returns; a store that cannot
-    save it stops the run store_failed before the tool has it. A write whose tool raised ToolError, TemporaryError
-    or PermissionError did not apply; one that timed out, was cut by the deadline or a cancel, raised anything
-    else, or was found started and not finished after a crash, has an unknown outcome. The tools object's
-    reconcile(call) is then awaited, bounded like a call: {"applied": true, "data": plain data} is a success marked
-    "reconciled"; {"applied": false} is not_applied (retryable), and must stay true: a request with that key still
-    on its way must never apply (OrderDesk refuses it; FunctionTools does not ask while the write's thread runs);
-    anything else leaves it unknown. A run with an unknown write pauses, whatever stopped it (unknown_outcome, or
-    the cancel or deadline that cut it), with result["unknown"], and nothing after it in its batch starts. A later
-    call asks reconcile again, with the same key, bounded by tool_seconds even past the deadline; once it is
-    settled, the rest of its batch runs. A write of a crashed batch that had not started is interrupted, as a read
-    is."""
-
-    def __init__(self, store, run_id, registry, limits, tools=None, approve=None, decisions=None):
-        if approve is not None and not _plain_function(approve):
-            raise ValueError("approve must be a plain function of a write's call")
-        if decisions is not None and (type(decisions) is not dict or not all(
-                type(cid) is str and type(verdict) is str and verdict in DECISIONS
-                for cid, verdict in decisions.items())):
-            raise ValueError("decisions must be a dict of call ids to 'approve' or 'reject'")
-        self.approve, self.decisions, self.tools = approve, dict(decisions or {}), tools  # (tools: read in _check)
-        self.writes = {name for name, spec in registry.items() if not spec.read_only}
-        self.pending, self.given = [], set()  # given: the writes this process handed to their tool
-        self.store_id = getattr(store, "store_id", None)
-        if (approve is not None or decisions) and (type(self.store_id) is not str or not self.store_id):
-            raise ValueError("a store that runs writes needs a store_id of its own: their keys are made of it")
-        self.store_id = self.store_id if type(self.store_id) is str else ""
-        super().__init__(store, run_id, registry, limits, tools)
-        trace = self.saved["trace"] if self.saved else []
-        self.written = {event["call_id"] for event in trace if event["event"] == "write"}  # saved as started
-        self.verdicts = {event["call_id"]: event["decision"] for event in trace if event["event"] == "approval"}
-        self.on = approve is not None or bool(decisions) or bool(self.verdicts)  # a run with writes
-        if self._paused_for_approval():  # asked about before: its clock runs from the first time it was asked
-            self.asked_at = self.saved["state"]["asked_at"] or self.pause_began
-        self.expired = self.asked_at is not None and time.time() - self.asked_at > limits.approval_seconds
-
-    def _paused_for_approval(self, saved=None):
-        """True if the run, as saved, waits for decisions on its last batch's writes: that batch stopped it for them,
-        nothing of it was observed or saved as started, and a write of it has no decision yet. Once each has one, the
-        batch went on: a crash since has cut it, and it is charged and observed as a cut batch is."""
-        saved = saved or self.saved
-        if not saved or not saved["history"] or saved["history"][-1]["observations"]:
-            return False
-        record, decided = saved["history"][-1], self._decided(saved)
-        stops = [index for index, event in enumerate(saved["trace"]) if event["event"] == "stop"]
-        stop = saved["trace"][stops[-1]] if stops else {}
-        return stop.get("status") == "awaiting_approval" and stop.get("rounds") == record["round"] and \
-            any(item["name"] in self.writes and item["call_id"] not in decided for item in record["calls"]) and \
-            not any(event["event"] == "write" for event in saved["trace"][stops[-1]:])
-
-    def _check(self, saved):
-        wrote = saved is not None and any(event["event"] == "approval" for event in saved["trace"])
-        check, reconcile = (getattr(type(self.tools), name, None) for name in ("check_writes", "reconcile"))
-        if check is not None and (self.approve is not None or self.decisions or wrote):
-            check(self.tools, sorted(self.writes))
-        if reconcile is not None and _is_async(reconcile) is False and (
-                self.approve is not None or self.decisions or wrote):
-            raise ValueError("reconcile: the tools' reconcile must be async (FunctionTools takes a plain function)")
-        paused = saved is not None and self._paused_for_approval(saved)
-        decided = self._decided(saved) if saved else {}
-        pending = {item["call_id"] for item in saved["history"][-1]["calls"]
-                   if item["name"] in self.writes and item["call_id"] not in decided} if paused else set()
-        for cid, verdict in self.decisions.items():
-            if cid not in pending and decided.get(cid) != verdict:  # (given again as it was saved: nothing new)
-                raise ValueError(f"{cid}: not a write awaiting a decision in this run")
-
-    @staticmethod
-    def _decided(saved):
-        return {event["call_id"]: event["decision"] for event in saved["trace"]
-                if event["event"] == "approval" and event["decision"] in DECISIONS}
-
-    def admitted(self, registry):
-        if not self.on:  # no approve, no decisions, no write decided before: a write is refused, as in the article
-            return registry
-        # Preflight lets a write through as it lets a read: the gate, not read_only, decides if it runs, and serially.
-        return {name: replace(spec, read_only=True, parallel_safe=False) if name in self.writes else spec
-                for name, spec in registry.items()}
-
-    @property
-    def named(self):
-        names = {"run_id": self.run_id, **({"pending": self.pending} if self.pending else {})}
-        record = self.state[1][-1] if getattr(self, "state", None) and self.state[1] else None
-        unknown = [self._call(item) for item, obs in zip(record["calls"], record["observations"])
-                   if obs.get("error") == "unknown_outcome"] if record else []
-        return {**names, "unknown": unknown} if unknown else names
-
-    def _call(self, item):
-        """A write as the gate, the tool and reconcile see it: a copy of the call, and its idempotency_key."""
-        return {**_copy(item), "idempotency_key": idempotency_key(self.run_id, item["call_id"], self.store_id)}
-
-    def handed(self, item):
-        if item["name"] not in self.writes:
-            return _copy(item)
-        self.given.add(item["call_id"])
-        return self._call(item)
-
-    def _ends(self, result):
-        """A run pauses for a decision, or while a write's outcome is unknown, whatever stopped it: a cancel or the
-        deadline that cut a write does not end the run; a later call settles the write, and the run goes on."""
-        return result["status"] not in PAUSES and "unknown" not in result
-
-    def _cut(self, record):
-        return not self._paused_for_approval() and super()._cut(record)
-
-    def _in_flight(self):
-        """A write handed to its tool, and never observed: the run's task was cancelled while it ran."""
-        history = self.state[1] if getattr(self, "state", None) else []
-        return bool(self.given - {obs["call_id"] for record in history for obs in record["observations"]})
-
-    def _interrupted(self, item):
-        if item["call_id"] in self.written:  # handed to its tool before the crash: it may have applied
-            return _failure(item, "unknown_outcome", False, reason="the write may have applied")
-        return super()._interrupted(item)
-
-    async def started(self, item):
-        await super().started(item)
-        if item["name"] in self.writes:  # written ahead: saved as started, its approval used, before the tool has it
-            used, history, _ = self.state
-            await self.emit({"event": "write", "round": history[-1]["round"], "call_id": item["call_id"],
-                             "idempotency_key": self._call(item)["idempotency_key"], **used})
-
-    async def resume(self, used, history, trace, used_ids, attempts, emit, act, wait):
-        self.emit = emit
-        return await super().resume(used, history, trace, used_ids, attempts, emit, act, wait)
-
-    async def _go_on(self, record, act, wait, emit, used):
-        if self._paused_for_approval():  # the batch that waited for decisions: its gate again, then the batch
-            await act(record, False)
-            return
-        done = record["observations"]
-        for index, (item, obs) in enumerate(zip(record["calls"], done)):
-            if obs.get("error") == "unknown_outcome":  # asked again, with the same key, even past the deadline
-                done[index] = known = await self._reconciled(item, self._settling)
-                await emit({"event": "reconciled", "round": record["round"], "call_id": item["call_id"],
-                            "outcome": "applied" if known["ok"] else known["error"], **used})
-        aborted = [index for index, obs in enumerate(done) if obs.get("error") == "batch_aborted"]
-        if aborted and all(obs["ok"] or obs["retryable"] for obs in done[:aborted[0]]):
-            del done[aborted[0]:]  # settled: the calls that never started after it run now
-            await act(record, False)
-
-    async def _settling(self, factory):
-        """The wait of a reconcile that settles a write before the run goes on: tool_seconds, whatever time is left
-        (what it raises, a BaseException too, comes out as an Exception, as from any bounded wait)."""
-        return await bounded(factory, self.limits.tool_seconds, asyncio.Event())
-
-    async def run_batch(self, batch, parallel, observe, wait):
-        writes = [item for item in batch if item["name"] in self.writes]
-        if not writes:
-            return await _run_batch(batch, parallel, observe)
-        record = self.state[1][-1]
-        verdicts = {item["call_id"]: await self._verdict(item, record["round"]) for item in writes}
-        if self.expired:
-            return [_failure(item, "approval_expired", False, reason="the decisions came after approval_seconds")
-                    for item in batch]
-        rejected = [cid for cid, verdict in verdicts.items() if verdict == "reject"]
-        if rejected:  # all or nothing: no call of the batch starts
-            self.asked_at = None  # decided: a write asked about later has a clock of its own
-            return [_failure(item, "rejected", True, reason="the write was rejected" if item["call_id"] in rejected
-                             else f"another call of the batch was rejected: {rejected[0]}") for item in batch]
-        self.pending = [self._call(item) for item in writes if verdicts[item["call_id"]] == "ask"]
-        if self.pending:
-            self.asked_at = self.asked_at or time.time()
-            raise Stop("awaiting_approval", reason="a write awaits a decision")
-        self.asked_at, done = None, record["observations"]
-        for item in batch[len(done):]:  # one by one: a write's outcome is known, or the run pauses, before the next
-            fatal = done and not done[-1]["ok"] and not done[-1]["retryable"]
-            done.append(_failure(item, "batch_aborted", False) if fatal else await self._observed(item, observe, wait))
-            self.save()  # each observation as soon as it is known
-        return done
-
-    async def _verdict(self, item, round_):
-        """The decision on one write: yours if you gave it, else the policy's, asked once."""
-        cid = item["call_id"]
-        if cid in self.decisions and self.verdicts.get(cid) not in DECISIONS:
-            self.verdicts[cid] = self.decisions[cid]
-            await self.emit({"event": "approval", "round": round_, "call_id": cid, "decision": self.decisions[cid],
-                             "by": "decisions", **self.state[0]})
-        elif cid not in self.verdicts:
-            verdict = _asked_policy(self.approve, self._call(item))
-            self.verdicts[cid] = verdict
-            await self.emit({"event": "approval", "round": round_, "call_id": cid, "decision": verdict,
-                             "by": "policy", **self.state[0]})
-        return self.verdicts[cid]
-
-    async def _observed(self, item, observe, wait):
-        """A call's observation; a write handed to its tool that said nothing of its fate is reconciled."""
-        obs = await observe(item)
-        if item["call_id"] in self.given and not obs["ok"] and obs["error"] not in NOT_APPLIED:
-            return await self._reconciled(item, wait)
-        return obs
-
-    async def _reconciled(self, item, wait):
-        """What reconcile says of a write whose outcome is unknown: applied, not applied, or still unknown."""
-        reconcile, said = getattr(self.tools, "reconcile", None), None
-        if callable(reconcile):
-            call = self._call(item)
-            try:
-                said = await wait(lambda: reconcile(call))
-            except Exception:  # it raised, hung past tool_seconds, or the run was cut: nothing is known
-                said = None
-            said = _copy(said) if _is_data(said) else _discard(said)  # what is not plain data says nothing
-        if type(said) is dict and said.get("applied") is True and said.keys() <= {"applied", "data"} and \
-                _is_data(said.get("data")):
-            return {**_copy(item), "ok": True, "data": said.get("data"), "reconciled": True}
-        if type(said) is dict and said.keys() == {"applied"} and said["applied"] is False:  # false, not 0
-            return _failure(item, "not_applied", True, reason="reconcile says it did not apply")
-        return _failure(item, "unknown_outcome", False, reason="the write may have applied: reconcile could not tell")
-
-
-def _asked_policy(approve, call):
-    """The policy's verdict on one write: approve, reject, or ask for anything else it returns, or if it raises."""
-    if approve is None:
-        return "ask"
-    try:
-        verdict = approve(call)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException:
-        return "ask"
-    _discard(verdict)
-    return verdict if type(verdict) is str and verdict in ("approve", "reject", "ask") else "ask"
-
-
-JOURNALS["writes"] = _WriteJournal
-
-
-# The inventory's write: place the restock order the plan computed. It has a registry of its own; TOOLS stays the
-# article's, where place_order is an unknown tool.
-_ORDER_LINE = _closed(sku={"type": "string", "enum": list(SKUS)}, qty={"type": "integer", "minimum": 1,
-                                                                        "maximum": MAX_AMOUNT},
-                      cents={"type": "integer", "minimum": 0})
-ORDER_TOOLS = {**TOOLS, "place_order": ToolSpec(
-    3, False, False, description="Place the restock order: the plan's items, once (a write).",
-    parameters=_closed(items={"type": "array", "minItems": 1, "maxItems": 4, "items": _ORDER_LINE}))}
-
-
-@dataclass
-class OrderDesk(Fixtures):
-    """The inventory's tools and its write: place_order applies an order once per idempotency key, whatever calls
-    it again, and reconcile says whether a key's order applied; once it has said no, that key never applies (a
-    late call with it is refused), so that the no stays true. Faults: "temporary" (nothing placed), "timeout" (it
-    hangs before it places anything) and "timeout_after_apply" (it places the order, then never answers)."""
-
-    orders: dict = field(default_factory=dict)  # idempotency key -> the order placed
-    effects: list = field(default_factory=list)  # each key once per time an order applied: a key twice is a bug
-    voided: set = field(default_factory=set)  # keys reconcile said did not apply
-
-    async def invoke(self, call):
-        """Read, plan, or place the order."""
-        if call["name"] != "place_order":
-            return await super().invoke(call)
-        faults = self.failures.get("place_order")
-        fault = faults.pop(0) if faults else None
-        key = call["idempotency_key"]
-        self.started.append(call["call_id"])
-        try:
-            await asyncio.sleep(0)
-            if fault == "temporary":
-                raise TemporaryError("private detail: the desk was busy, nothing placed")
-            if fault == "timeout":
-                await asyncio.sleep(10)  # it hangs before it places anything
-            if key in self.voided:
-                raise ToolError("this order was reconciled as not placed")
-            if key not in self.orders:
-                self.orders[key] = {"order": f"PO-{len(self.orders) + 1}", "items": call["arguments"]["items"]}
-                self.effects.append(key)
-            if fault == "timeout_after_apply":
-                await asyncio.sleep(10)  # placed, but the answer never comes
-            return _copy(self.orders[key])
-        finally:
-            self.finished.append(call["call_id"])
-
-    async def reconcile(self, call):
-        """Whether the order of this call's idempotency key was placed."""
-        order = self.orders.get(call["idempotency_key"])
-        if order is None:
-            self.voided.add(call["idempotency_key"])  # said no: a call with this key still on its way is refused
-        return {"applied": True, "data": _copy(order)} if order else {"applied": False}
-
-
-def order_accepted(answer, history):
-    """The inventory's final check, and the order placed for the plan's items: a write counts only once it is known
-    to have applied (an unknown outcome is no evidence)."""
-    orders = [obs for obs in _successes(history) if obs["name"] == "place_order"]
-    return accepted(answer, history) and any(
-        canonical(obs["arguments"]) == canonical({"items": answer["items"]}) for obs in orders)
-
-
-async def order_model(history):
-    """fake_model, then, once the plan is computed, the order of its items; then the plan as the answer."""
-    plans = [obs["data"] for obs in _successes(history) if obs["name"] == "compute_plan"]
-    orders = [obs for obs in _successes(history) if obs["name"] == "place_order"]
-    if plans and not orders:
-        items = plans[-1]["items"]
-        return {"kind": "calls", "calls": [call(f"r{len(history) + 1}-order", "place_order", items=items)]}
-    return await fake_model(history)
-
-
-class _Unsure(OrderDesk):
-    """A desk that can never say whether an order applied."""
-
-    async def reconcile(self, call):
-        return {"applied": "perhaps"}
-
-
-async def _order_run(store, fixtures, on_event=None, timeline=None, **options):
-    model, tools, watcher = _recorded(timeline, order_model, fixtures, on_event)
-    return await run_agent(model, registry=ORDER_TOOLS, accept=order_accepted, fixtures=tools, store=store,
-                           run_id="order", on_event=watcher, **options)
-
-
-async def _asked_about(on_event=None, timeline=None):
-    """The policy asks about the order: the run pauses before it starts."""
-    with SqliteStore(":memory:") as store:
-        fixtures = OrderDesk(delays={})
-        return await _order_run(store, fixtures, on_event, timeline, approve=lambda write: "ask"), fixtures
-
-
-async def _decided_too_late(on_event=None, timeline=None):
-    """The order waits for a decision, which comes after approval_seconds: nothing of its batch starts."""
-    with SqliteStore(":memory:") as store:
-        limits = replace(Limits(), approval_seconds=0.05)
-        await _order_run(store, OrderDesk(delays={}), approve=lambda write: "ask", limits=limits)
-        await asyncio.sleep(0.1)
-        fixtures = OrderDesk(delays={})
-        result = await _order_run(store, fixtures, on_event, timeline, decisions={"r3-order": "approve"},
-                                  limits=limits)
-        return result, fixtures
-
-
-async def _unsure(on_event=None, timeline=None):
-    """The order timed out after it was placed, and reconcile could not tell: the run pauses, nothing after it."""
-    with SqliteStore(":memory:") as store:
-        fixtures = _Unsure(delays={}, failures={"place_order": ["timeout_after_apply"]})
-        return await _order_run(store, fixtures, on_event, timeline, approve=lambda write: "approve"), fixtures
-
-
-ATLAS += (
-    ("awaiting_approval", "the approval policy asked about the order: the run paused before it started",
-     {"run": _asked_about}),
-    ("approval_expired", "the order's approval came after approval_seconds: it never started",
-     {"run": _decided_too_late, "drawn": False}),
-    ("unknown_outcome", "the order timed out after it applied and reconcile could not tell: the run paused",
-     {"run": _unsure}),
-)
-
-
-# PART 15: many workers, one database: runs leased to a pool of processes, on SQLite or on PostgreSQL
-#
-# A worker is a loop over the store's queue (SqlStore, PART 13): claim the next run, run it, repeat. Start as many
-# as you like, on one machine (SQLite) or on several (PostgreSQL): a run is one worker's at a time, and a worker
-# that dies holds its run only until its lease runs out.
 
 BENCH_POSTGRES = []  # a place() for bench's PostgreSQL figures: `python3 test_agent_loop.py bench` gives one
 
@@ -3898,8 +3438,449 @@ def _show_postgres_store_cost(number, figures, cell):
     _show_store_cost(number, figures, cell, "PostgreSQL, synchronous_commit=on")
 
 
-BENCH_PARTS.extend([("postgres_store_ms", _postgres_store_cost, _show_postgres_store_cost),
-                    ("pool_runs_per_second", _pool_throughput, _show_pool)])
+# The figures beyond the first four, each (name, async measure(quick) -> figures, show(number, figures, cell)).
+BENCH_PARTS = (("store_ms", _store_cost, _show_store_cost),
+               ("postgres_store_ms", _postgres_store_cost, _show_postgres_store_cost),
+               ("pool_runs_per_second", _pool_throughput, _show_pool))
+
+
+async def bench(quick=False, as_json=False):
+    """Measure parallel efficiency, the runtime's overhead, time-limit overshoot and growth; print the figures."""
+    repeats = 3 if quick else 7
+    figures = {
+        "python": platform.python_version(),
+        "cores": os.cpu_count(),
+        "repeats": repeats,
+        "parallel_efficiency": await _parallel_efficiency(repeats),
+        "overhead": await _overhead(repeats),
+        "limit_overshoot": await _limit_overshoot(5 if quick else 20),
+        "growth": await _growth((10, 100) if quick else (10, 100, 1000)),
+    }
+    for name, measure, _ in BENCH_PARTS:
+        figures[name] = await measure(quick)
+    if as_json:
+        _show(figures)
+        return
+    cell = "{median:8.3f} [{min:.3f} .. {max:.3f}]".format
+    print(f"agent_loop bench: Python {figures['python']}, {figures['cores']} cores; median [min .. max] over repeats")
+    wait = f"{BENCH_WAIT * 1000:.0f} ms"
+    print(f"\n1. Parallel efficiency: k tools each waiting {wait}, batch wall time / {wait}"
+          f" ({repeats} repeats; the limits are 1 and k)")
+    for k, modes in figures["parallel_efficiency"].items():
+        print(f"   k={k}  parallel {cell(**modes['parallel'])}   serial {cell(**modes['serial'])}")
+    print(f"\n2. Runtime overhead, instant model and tools, microseconds ({repeats} repeats)")
+    print(f"   per round      {cell(**figures['overhead']['round_us'])}")
+    print(f"   per tool call  {cell(**figures['overhead']['call_us'])}")
+    runs = 5 if quick else 20
+    print(f"\n3. Time limits: milliseconds past the limit ({runs} runs)")
+    print(f"   a hanging tool stopped after tool_seconds   {cell(**figures['limit_overshoot']['tool_ms'])}")
+    print(f"   run_agent returned after total_seconds      {cell(**figures['limit_overshoot']['total_ms'])}")
+    print("\n4. Growth: milliseconds per round once history holds n rounds, beside the copy floor (the cheapest exact "
+          "copy of that history, which each round makes for the model)")
+    for n, row in figures["growth"].items():
+        ratio = row["round_ms"]["median"] / row["copy_ms"]["median"]
+        print(f"   n={n:<5} per round {cell(**row['round_ms'])}   copy {cell(**row['copy_ms'])}   ratio {ratio:.2f}")
+    for number, (name, _, show) in enumerate(BENCH_PARTS, 5):
+        show(number, figures[name], cell)
+
+
+def _bench_options(parser):
+    parser.add_argument("--quick", action="store_true", help="fewer repeats: a smoke run of a few seconds")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+
+
+class _Bench(Part):
+    """The benchmark, as the core reads it: its command."""
+
+    commands = {"bench": ("measure parallel batches, overhead, time limits, growth, the store and the pool",
+                          _bench_options, lambda args, parser: bench(args.quick, args.json))}
+
+
+# PART 14: see a run: its decisions and calls drawn on a time axis
+
+# The colour of a bar in SVG, by how its lane ended (a decision's lane by its kind).
+_COLOURS = {"ok": "#2f9e44", "temporary": "#f08c00", "tool_error": "#f08c00", "tool_timeout": "#e8590c",
+            "cancelled": "#7048e8", "deadline": "#c92a2a", "decision": "#1c7ed6"}
+_FAILED = "#c92a2a"  # any other way a call ended: a fault, a refusal, a call that never started
+
+
+class Timeline:
+    """A recorder that draws a run: when each decision was asked and answered, when each call started and
+    ended, with its outcome, and the limits that acted, on the event loop's clock. One Timeline per run."""
+
+    def __init__(self, limits=None):
+        self.limits = limits  # the run's Limits, if known: tells a cut by a call's own limit from one by the deadline
+        self.decisions = []   # (asked, answered) of each decision, in order: one per round
+        self.calls = {}       # call_id -> (started, ended)
+        self.cut = set()      # call ids, and ("model", round), that the runtime's wait ended, not they themselves
+        self.events = []      # (time, trace event)
+
+    @staticmethod
+    def _now():
+        return asyncio.get_running_loop().time()
+
+    def model(self, model):
+        """The model, wrapped so that each decision's asking and answering are recorded; nothing else changes."""
+        if not _a_function(model):
+            raise ValueError("model must be an async function of history")
+
+        async def timed(history):
+            asked = self._now()
+            try:
+                return await model(history)
+            except asyncio.CancelledError:
+                self.cut.add(("model", len(self.decisions) + 1))
+                raise
+            finally:
+                self.decisions.append((asked, self._now()))
+
+        return timed
+
+    def tools(self, tools):
+        """The tools object, wrapped so that each call's start and end are recorded; nothing else changes."""
+        if not _callable_object(tools, "invoke"):
+            raise ValueError("fixtures must be an object with an async invoke(call) method")
+        return _TimedTools(self, tools)
+
+    def event(self, event):
+        """For run_agent(on_event=...): record each trace event as it happens."""
+        self.events.append((self._now(), event))
+
+    def watching(self, on_event=None):
+        """An on_event that records each event, then hands a copy of it to on_event too (plain or async), if given."""
+        if on_event is not None and not _a_function(on_event):
+            raise ValueError("on_event must be a function or None")
+
+        async def both(event):
+            self.event(event)
+            if on_event is not None:
+                await _called(on_event, _copy(event))  # a watcher that edits its event cannot edit the record
+
+        return both
+
+    def lanes(self, result):
+        """What the drawing shows: per round, a lane for the decision and one per call (name, tool, start, end,
+        outcome); the limits that acted (limit, time, round); the run's status; ValueError if this timeline did
+        not record this run, and only it."""
+        stop = result["trace"][-1]
+        if [event for _, event in self.events] != result["trace"]:
+            raise ValueError("this Timeline did not see this run's events, or saw another run's too: give run_agent "
+                             "on_event=timeline.event, one Timeline per run")
+        # A round may be paid and then stopped before its model was asked (a deadline or cancel during the copy).
+        paid, asked = result["used"]["rounds"], len(self.decisions)
+        if asked > paid:
+            raise ValueError("this Timeline recorded another run too: use one Timeline per run, its model wrapped once")
+        if asked < paid - (stop["status"] in ("deadline", "cancelled")):
+            raise ValueError("decisions were asked that this Timeline did not record: give run_agent "
+                             "timeline.model(model)")
+        if result["used"]["calls"] and not self.calls:
+            raise ValueError("calls ran that were not recorded: give run_agent fixtures=timeline.tools(...)")
+        ids = {item["call_id"] for record in result["history"] for item in record["calls"]}
+        first = self.decisions[0][0] if self.decisions else self.events[0][0]
+        if not set(self.calls) <= ids or any(started < first for started, _ in self.calls.values()):
+            raise ValueError("this Timeline recorded calls of another run: use one Timeline per run")
+        kinds = {event["round"]: event["kind"] for _, event in self.events if event["event"] == "decision"}
+        rounds = {}
+        for number, (asked, answered) in enumerate(self.decisions, 1):
+            kind = kinds.get(number)
+            if kind not in ("calls", "final"):  # no decision came, or none that could be acted on
+                kind = stop["status"] if number == len(self.decisions) else str(kind)
+            rounds[number] = [("model", "decision", asked, answered, kind)]
+        for record in result["history"]:
+            for obs in record["observations"]:
+                started, ended = self.calls.get(obs["call_id"], (None, None))
+                if started is None and obs["ok"]:
+                    raise ValueError("a call that ran was not recorded: give run_agent fixtures=timeline.tools(...)")
+                outcome = "ok" if obs["ok"] else obs["error"]
+                rounds.setdefault(record["round"], []).append((obs["call_id"], obs["name"], started, ended, outcome))
+        return rounds, self._marks(rounds, stop["status"]), stop["status"]
+
+    def _marks(self, rounds, status):
+        """Where the limits acted: a call or decision cut off by its own time limit or by the run's deadline, and
+        the cancel; one mark per limit and round, where it first acted."""
+        ends = [lane[3] for lanes in rounds.values() for lane in lanes if lane[3] is not None]
+        stopped = self.events[-1][0] if self.events else max(ends, default=None)
+        span = (max(ends) - min(lane[2] for lanes in rounds.values() for lane in lanes if lane[2] is not None)
+                if ends else 0.0)
+        earliest = {}
+        for number, lanes in rounds.items():
+            for name, tool, began, ended, outcome in lanes:
+                limit = None
+                if outcome in ("tool_timeout", "model_timeout") and ended is not None:
+                    cut = (("model", number) if tool == "decision" else name) in self.cut
+                    own = getattr(self.limits, "model_seconds" if tool == "decision" else "tool_seconds", None)
+                    # Uncut, it raised TimeoutError itself, or it held the loop past its limit (then it acted).
+                    if cut or own is not None and ended - began >= own:
+                        at_the_end = stopped - ended <= max(0.002, span / 50)
+                        short = own is not None and ended - began < own * 0.95  # the time left was shorter
+                        if status == "deadline" and (at_the_end or short):
+                            limit = "deadline"
+                        else:
+                            limit = "model_seconds" if tool == "decision" else "tool_seconds"
+                elif outcome == "cancelled" and ended is not None:
+                    limit = "cancel"
+                if limit:
+                    earliest[limit, number] = min(ended, earliest.get((limit, number), ended))
+        limit = {"deadline": "deadline", "cancelled": "cancel"}.get(status)
+        if limit and rounds and stopped is not None and not any(mark == limit for mark, _ in earliest):
+            earliest[limit, max(rounds)] = stopped  # it acted between calls: where the run stopped
+        return [(limit, when, number) for (limit, number), when in earliest.items()]
+
+    def _axis(self, rounds, marks):
+        """(start, span) in seconds of everything recorded."""
+        times = [t for lanes in rounds.values() for lane in lanes for t in lane[2:4] if t is not None]
+        times += [t for _, t, _ in marks] + [t for t, _ in self.events]
+        if not times:
+            return 0.0, 1e-3
+        return min(times), max(max(times) - min(times), 1e-3)
+
+    def text(self, result, width=100):
+        """The run as a terminal drawing: a lane per decision and per call with a bar from its start to its end and
+        its outcome after it; parallel calls overlap, serial ones follow each other; the limits that acted are
+        marked where they acted, under a scale in milliseconds."""
+        if type(width) is not int or width < 60:
+            raise ValueError("width must be an int of at least 60")
+        rounds, marks, status = self.lanes(result)
+        if not rounds:
+            return f"{status}: no decision was asked\n"
+        start, span = self._axis(rounds, marks)
+        digits = _ms_digits(span)
+        label = 30
+        tail = 1 + max(_columns(lane[4]) for lanes in rounds.values() for lane in lanes)
+        columns = width - label - tail
+
+        def at(t):
+            return min(int((t - start) / span * columns), columns - 1)
+
+        scale = [" "] * columns
+        for text, where in (("0 ms", 0), (f"{span * 500:.{digits}f} ms", columns // 2),
+                            (f"{span * 1000:.{digits}f} ms", None)):
+            where = columns - len(text) if where is None else where
+            scale[where:where + len(text)] = text
+        lines = [" " * label + "".join(scale), " " * label + "|" + "-" * (columns - 2) + "|"]
+        for number in sorted(rounds):
+            lines.append(f"round {number}")
+            admitted = rounds[number][0][3] if rounds[number][0][1] == "decision" else None
+            for name, tool, began, ended, outcome in rounds[number]:
+                row = [" "] * columns
+                if began is None:  # it never started: refused, aborted, or overtaken by a stop
+                    row[at(admitted) if admitted is not None else 0] = "."
+                else:
+                    first, last = at(began), at(ended)
+                    row[first:last + 1] = "=" * (last - first + 1)
+                lane = "model" if tool == "decision" else _printable(f"{name} {tool}", label - 3)
+                padding = " " * (label - 2 - _columns(lane))  # by columns: a Chinese character takes two
+                lines.append(f"  {lane}{padding}{''.join(row)} {outcome}")
+            for limit, when, where in sorted(marks, key=lambda mark: mark[1]):
+                if where == number:
+                    lines.append(" " * (label + at(when)) + f"^ {limit}")
+        lines.append(f"{status}: {span * 1000:.{digits}f} ms from the first decision asked; one column is "
+                     f"{span / columns * 1000:.2f} ms")
+        return "\n".join(line.rstrip() for line in lines) + "\n"
+
+    def svg(self, result, title="agent_loop run"):
+        """The same drawing as a standalone SVG document: lanes, bars coloured by outcome, limit lines, labels and a
+        legend."""
+        return _svg_document([(title, self, result)])
+
+
+def _columns(text):
+    """How many terminal columns text takes: two for a wide or fullwidth character (Chinese, say), none for a
+    combining mark, one for any other."""
+    return sum(0 if unicodedata.combining(char) else 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+               for char in text)
+
+
+def _printable(text, most):
+    """text for a drawing: a character that a terminal or XML would act on (a control character) shown as ?,
+    and at most `most` terminal columns, cut with ... if it is longer."""
+    text = "".join(char if char.isprintable() else "?" for char in text)
+    if _columns(text) <= most:
+        return text
+    kept, used = [], 0
+    for char in text:
+        used += _columns(char)
+        if used > most - 3:
+            break
+        kept.append(char)
+    return "".join(kept) + "..."
+
+
+class _TimedTools:
+    """A tools object that records when each call starts and ends, and passes every call on as it is."""
+
+    def __init__(self, timeline, tools):
+        self.timeline, self.inner = timeline, tools
+
+    def check_registry(self, registry):
+        """The check of the tools it wraps, if they have one (FunctionTools does)."""
+        check = getattr(type(self.inner), "check_registry", None)
+        if check is not None:
+            check(self.inner, registry)
+
+    async def invoke(self, call):
+        cid, started = call["call_id"], self.timeline._now()  # the id first: the tool may edit its own copy
+        try:
+            return await self.inner.invoke(call)
+        except asyncio.CancelledError:
+            self.timeline.cut.add(cid)  # the runtime's wait ended it: a time limit or the cancel acted
+            raise
+        finally:
+            self.timeline.calls[cid] = (started, self.timeline._now())
+
+
+def _ms_digits(span):
+    """Decimals a scale in milliseconds needs for a run of `span` seconds: none, unless the run was very short."""
+    return 2 if span < 0.002 else 1 if span < 0.02 else 0
+
+
+async def drawn_demo(text=True, svg=None):
+    """The demo, each run printed as the demo prints it, then drawn: on the terminal, or into an SVG file."""
+    drawings = []
+    for title, make_fixtures in DEMO_RUNS:
+        fixtures, timeline = make_fixtures(), Timeline(Limits())
+        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(fixtures), on_event=timeline.event)
+        show_run(title, result, fixtures)
+        drawings.append((title, timeline, result))
+        _draw(drawings[-1:], text, None)
+    _draw(drawings, False, svg)
+
+
+def _drawing_options(options):
+    """options, then the two that draw a run."""
+    def both(parser):
+        options(parser)
+        parser.add_argument("--timeline", action="store_true", help="draw the run on a time axis after it")
+        parser.add_argument("--svg", metavar="FILE", help="write the drawing to FILE as an SVG document")
+
+    return both
+
+
+@contextlib.contextmanager
+def _svg_file(path, parser):
+    """The file --svg names, opened for writing, or None; closed at the end, so that a full disk shows there."""
+    if path is None:
+        yield None
+        return
+    try:
+        svg = open(path, "w", encoding="utf-8")
+    except OSError as error:
+        parser.error(f"argument --svg: can't open '{path}': {error.strerror}")
+    try:
+        yield svg
+        svg.close()  # its last write happens here: a full disk shows now, not at exit
+    finally:
+        if not svg.closed:
+            with contextlib.suppress(OSError):  # the error that brought us here is the one to report
+                svg.close()
+
+
+async def _drawn_demo(args, parser):
+    if not args.timeline and args.svg is None:
+        return await demo()
+    with _svg_file(args.svg, parser) as svg:
+        await drawn_demo(args.timeline, svg)
+
+
+async def _drawn_scenario(args, parser):
+    if not args.timeline and args.svg is None:
+        return await _atlas_command(args, parser)
+    if not args.name:
+        parser.error("--timeline and --svg draw one scenario: give its NAME")
+    _atlas_arguments(args, parser)  # its refusals come before the file is opened
+    if next(how for title, _, how in ATLAS if title == args.name).get("drawn") is False:
+        parser.error(f"cannot draw {args.name}: a Timeline draws a run it recorded whole, and this one resumes a "
+                     "run from a store")
+    with _svg_file(args.svg, parser) as svg:
+        timeline = Timeline()
+        result = await _atlas_command(args, parser, timeline)
+        try:
+            _draw([(args.name, timeline, result)], args.timeline, svg)
+        except ValueError as error:  # a run this process did not see whole, such as one resumed from a store
+            parser.error(f"cannot draw {args.name}: {error}")
+
+
+def _draw(runs, text, svg):
+    """Print each (title, timeline, result) as text, and write them all to the file svg as one SVG document."""
+    for title, timeline, result in runs if text else ():
+        print(timeline.text(result), end="")
+    if svg:  # a file main() opened, and closes
+        svg.write(_svg_document(runs))
+
+
+def _svg_document(runs):
+    """One SVG document that draws each (title, timeline, result) in a band of its own, one under the other."""
+    from xml.sax.saxutils import escape
+    width, label, tail, row = 980, 250, 170, 20
+    bars = width - label - tail
+    body, y = [], 10
+    for title, timeline, result in runs:
+        rounds, marks, status = timeline.lanes(result)
+        start, span = timeline._axis(rounds, marks)
+
+        def x(t):
+            return label + (t - start) / span * bars
+
+        body.append(f'<text x="10" y="{y + 15}" class="title">{escape(_printable(title, 60))}: {escape(status)}</text>')
+        y += 30
+        for fraction in (0, 0.25, 0.5, 0.75, 1):
+            tick = label + fraction * bars
+            body.append(f'<line x1="{tick:.1f}" y1="{y}" x2="{tick:.1f}" y2="{y + 6}" class="axis"/>'
+                        f'<text x="{tick:.1f}" y="{y - 3}" class="tick">'
+                        f'{span * fraction * 1000:.{_ms_digits(span)}f} ms</text>')
+        body.append(f'<line x1="{label}" y1="{y}" x2="{label + bars}" y2="{y}" class="axis"/>')
+        y += 12
+        if not rounds:
+            body.append(f'<text x="20" y="{y + 14}" class="lane">no decision was asked</text>')
+            y += row
+        for number in sorted(rounds):
+            body.append(f'<text x="10" y="{y + 14}" class="round">round {number}</text>'
+                        f'<line x1="10" y1="{y + 2}" x2="{width - 10}" y2="{y + 2}" class="separator"/>')
+            y += row
+            first = y
+            admitted = rounds[number][0][3] if rounds[number][0][1] == "decision" else None
+            for name, tool, began, ended, outcome in rounds[number]:
+                kind = "decision" if tool == "decision" else "call"
+                colour = _COLOURS["decision" if kind == "decision" else outcome] if (
+                    kind == "decision" or outcome in _COLOURS) else _FAILED
+                if began is None:  # it never started: a grey tick where its batch was admitted
+                    left, length, colour = x(admitted) if admitted is not None else label, 2.0, "#868e96"
+                else:
+                    left, length = x(began), max(x(ended) - x(began), 2.0)
+                lane = "model" if kind == "decision" else _printable(f"{name} {tool}", 30)
+                body.append(f'<text x="20" y="{y + 14}" class="lane">{escape(lane)}</text>'
+                            f'<rect class="{kind}" x="{left:.1f}" y="{y + 4}" width="{length:.1f}" height="{row - 8}" '
+                            f'fill="{colour}"><title>{escape(lane)}: {escape(outcome)}</title></rect>'
+                            f'<text x="{label + bars + 8}" y="{y + 14}" class="outcome">{escape(outcome)}</text>')
+                y += row
+            for limit, when, where in marks:
+                if where == number:
+                    body.append(f'<line class="limit" x1="{x(when):.1f}" y1="{first}" x2="{x(when):.1f}" y2="{y}"/>'
+                                f'<text x="{x(when) + 3:.1f}" y="{y + 12}" class="limit">{escape(limit)}</text>')
+                    y += 14
+        y += 20
+    legend = [("decision", _COLOURS["decision"]), ("ok", _COLOURS["ok"]),
+              ("temporary, tool_error", _COLOURS["temporary"]), ("tool_timeout", _COLOURS["tool_timeout"]),
+              ("cancelled", _COLOURS["cancelled"]), ("deadline or a fault", _FAILED), ("never started", "#868e96")]
+    left = 10
+    for name, colour in legend:
+        body.append(f'<rect x="{left}" y="{y}" width="12" height="12" fill="{colour}"/>'
+                    f'<text x="{left + 16}" y="{y + 11}" class="legend">{escape(name)}</text>')
+        left += 16 + 7.5 * len(name) + 18  # a monospace character is about 7.2 px at 12 px
+    height = y + 30
+    style = ("text{font-family:monospace;font-size:12px}.title{font-size:14px;font-weight:bold}.tick{font-size:10px;"
+             "text-anchor:middle}.axis{stroke:#495057}.separator{stroke:#dee2e6}.limit{stroke:#c92a2a;"
+             "stroke-dasharray:4 3;fill:#c92a2a}")
+    return (f'<?xml version="1.0" encoding="UTF-8"?>\n<svg xmlns="http://www.w3.org/2000/svg" width="{width}" '
+            f'height="{height}" viewBox="0 0 {width} {height}">\n<style>{style}</style>\n'
+            + "\n".join(body) + "\n</svg>\n")
+
+
+class _Drawings(Part):
+    """The timeline, as the core reads it: demo and scenarios, each with --timeline and --svg to draw its runs."""
+
+    commands = {name: (help, _drawing_options(options), run) for name, (help, options, _), run in (
+        ("demo", COMMANDS["demo"], _drawn_demo), ("scenarios", _Atlas.commands["scenarios"], _drawn_scenario))}
 
 
 if __name__ == "__main__":
