@@ -848,9 +848,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             run.used["rounds"] += 1
             run.used["credits"] += MODEL_COST
             await run.seam("spent")  # paid: a crash from here on keeps this round and its credits spent
-            view = _copy(run.history)  # the model's own copy, made fresh every round: it cannot edit our history
-            seconds = min(run.limits.model_seconds, run.time_left())  # read after the copy, which takes time too
-            decision = _copy(await _decision(run, model, view, seconds), _FOREIGN)  # ours, at once: later edits miss
+            decision = _copy(await _decision(run, model), _FOREIGN)  # our own copy, at once: later edits miss it
             run.time_left()
 
             # Read the decision: a final answer, or a batch of calls that preflight admits whole.
@@ -1264,8 +1262,12 @@ def _ids(record):
     return [obs["call_id"] for obs in record["observations"]]
 
 
-async def _decision(run, model, view, seconds):
-    """The model's decision; else Stop: model_timeout past its time, model_exception (not its message) if it raised."""
+async def _decision(run, model):
+    """The model's decision, asked with its own copy of history, made fresh every round (it cannot edit ours, and it
+    is gone once the model has decided); else Stop: model_timeout past its time, model_exception (not its message)
+    if it raised."""
+    view = _copy(run.history)
+    seconds = min(run.limits.model_seconds, run.time_left())  # read after the copy, which takes time too
     try:
         return await run.wait(lambda: model(view), seconds)
     except TimeoutError:
@@ -2705,7 +2707,7 @@ class SqlStore(Store):
         """Lease the oldest run that is free to run to this store, in one transaction, and return its id; or None."""
         now = self.clock()
         with self._transaction():
-            row = self._sql("SELECT run_id, generation FROM agent_loop_runs WHERE status IS NULL AND waiting = 0 AND "
+            row = self._sql("SELECT run_id, generation FROM agent_loop_runs WHERE status IS NULL AND waits IS NULL AND "
                             "(lease_until IS NULL OR lease_until <= ?) ORDER BY added, run_id LIMIT 1"
                             + self.dialect["skip_locked"], (now,)).fetchone()
             if row is None:
@@ -2766,8 +2768,8 @@ class SqlStore(Store):
         limits or by another version: resumed by name, with those, it goes on)."""
         generation = self.leased.pop(run_id, None)
         if generation is not None:
-            self._sql("UPDATE agent_loop_runs SET holder = NULL, lease_until = NULL, waiting = ? WHERE run_id = ? AND "
-                      "generation = ? AND holder = ?", (int(aside), run_id, generation, self.holder))
+            self._sql("UPDATE agent_loop_runs SET holder = NULL, lease_until = NULL, waits = ? WHERE run_id = ? AND "
+                      "generation = ? AND holder = ?", ("aside" if aside else None, run_id, generation, self.holder))
 
     def save(self, run_id, generation, state, records, events, end=None):
         """What changed, in one transaction, if this store still holds the run; else Superseded. An end or a pause
@@ -2776,9 +2778,10 @@ class SqlStore(Store):
         status, answer = (None, None) if end is None else (end[0], json.dumps(end[1], ensure_ascii=False))
         with self._transaction():
             changed = self._sql(
-                "UPDATE agent_loop_runs SET state = ?, status = ?, answer = ?, waiting = ?, holder = ?, "
+                "UPDATE agent_loop_runs SET state = ?, status = ?, answer = ?, waits = ?, holder = ?, "
                 "lease_until = ? WHERE run_id = ? AND generation = ? AND holder = ? AND lease_until > ?",
-                (json.dumps(state), status, answer, int(end is None and done), None if done else self.holder,
+                (json.dumps(state), status, answer, state["waits"] if end is None and done else None,
+                 None if done else self.holder,
                  None if done else now + self.lease_seconds, run_id, generation, self.holder, now)).rowcount
             if changed != 1:
                 raise self._fenced(run_id, generation, now) or Superseded(run_id, "lease_expired")
@@ -2910,13 +2913,13 @@ _STORE_TABLES = """
 CREATE TABLE IF NOT EXISTS agent_loop_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS agent_loop_runs (run_id TEXT PRIMARY KEY, generation INTEGER NOT NULL,
     added DOUBLE PRECISION NOT NULL, config TEXT, started DOUBLE PRECISION, state TEXT, status TEXT, answer TEXT,
-    holder TEXT, lease_until DOUBLE PRECISION, waiting INTEGER NOT NULL DEFAULT 0);
+    holder TEXT, lease_until DOUBLE PRECISION, waits TEXT);
 CREATE TABLE IF NOT EXISTS agent_loop_records (run_id TEXT NOT NULL, round INTEGER NOT NULL, body TEXT NOT NULL,
     PRIMARY KEY (run_id, round));
 CREATE TABLE IF NOT EXISTS agent_loop_events (run_id TEXT NOT NULL, seq INTEGER NOT NULL, body TEXT NOT NULL,
     PRIMARY KEY (run_id, seq));
 """
-_STORE_COLUMNS = ("run_id, generation, added, config, started, state, status, answer, holder, lease_until, waiting "
+_STORE_COLUMNS = ("run_id, generation, added, config, started, state, status, answer, holder, lease_until, waits "
                   "FROM agent_loop_runs", "run_id, round, body FROM agent_loop_records",
                   "run_id, seq, body FROM agent_loop_events")
 
@@ -2955,17 +2958,17 @@ class _Held(Fixtures):
 
     def __init__(self):
         super().__init__(delays={})
-        self.release, self.waiting = asyncio.Event(), []
+        self.release, self.arrived = asyncio.Event(), []
 
     async def invoke(self, call):
-        self.waiting.append(call["call_id"])
+        self.arrived.append(call["call_id"])
         await self.release.wait()
         return await super().invoke(call)
 
 
 async def _batch_started(fixtures, calls=2, seconds=30):
     end = asyncio.get_running_loop().time() + seconds
-    while len(fixtures.waiting) < calls and asyncio.get_running_loop().time() < end:
+    while len(fixtures.arrived) < calls and asyncio.get_running_loop().time() < end:
         await asyncio.sleep(0.001)
 
 
@@ -3313,7 +3316,8 @@ async def _growth(sizes, samples=20):
         copies = []
         for _ in range(min(samples, len(rounds))):
             start = time.perf_counter()
-            _copy(history)
+            view = _copy(history)
+            del view  # made and let go, as each round's copy is
             copies.append(time.perf_counter() - start)
         figures[str(n)] = {"round_ms": _spread(rounds, 1e3), "copy_ms": _spread(copies, 1e3)}
     return figures

@@ -206,6 +206,60 @@ class RuntimeTestCase(unittest.IsolatedAsyncioTestCase):
         self.assertNoPrivateText(result)
 
 
+# The behaviours the article's tests pin (the contract's list), each with the test here that pins it. Each is a test
+# of a class of CORE_TESTS: it runs against the module cut above PART 6 too (StandaloneCoreTests).
+ARTICLE_TESTS = (
+    ("success within the exact budget: 3 rounds, 3 calls, 17 credits", "RunAgentTests.test_success_within_the_exact_budget"),
+    ("an unknown tool rejects the whole batch, nothing started or counted", "RunAgentTests.test_unknown_tool_rejects_the_whole_batch"),
+    ("duplicate ids within a batch", "RunAgentTests.test_duplicate_ids_within_a_batch"),
+    ("duplicate ids across rounds", "RunAgentTests.test_duplicate_ids_across_rounds"),
+    ("completion order never changes association (south first; peak 2)", "RunAgentTests.test_completion_order_never_changes_association"),
+    ("the final answer consumes a round (rounds=2)", "BudgetTests.test_the_final_answer_consumes_a_round"),
+    ("the call budget admits no partial batch", "BudgetTests.test_call_budget_admits_no_partial_batch"),
+    ("the credit budget admits no partial batch", "BudgetTests.test_credit_budget_admits_no_partial_batch"),
+    ("the final needs its own credits (16)", "BudgetTests.test_the_final_needs_its_own_credits"),
+    ("cancel before the start: 0 credits", "CancelTests.test_cancel_before_the_start"),
+    ("cancel during running tools: each cancelled and cleaned up, both kept", "CancelTests.test_cancel_during_running_tools"),
+    ("a temporary failure is an observation, retried with a new id", "RunAgentTests.test_a_temporary_failure_becomes_an_observation_and_is_retried_with_a_new_id"),
+    ("a tool timeout cancels the tool and allows one retry", "TimeLimitTests.test_a_tool_timeout_cancels_the_tool_and_allows_one_retry"),
+    ("the whole-run deadline wins over long tools", "TimeLimitTests.test_the_whole_run_deadline_wins_over_long_tools"),
+    ("a repeated signature stops at the third attempt, even with fresh ids", "BudgetTests.test_a_repeated_signature_stops_at_the_third_attempt_even_with_fresh_ids"),
+    ("repetition inside one batch counts", "BudgetTests.test_repetition_inside_one_batch_counts"),
+    ("extra fields, wrong types and path-like values in arguments", "SnapshotTests.test_extra_fields_wrong_types_and_path_like_values_in_arguments"),
+    ("row boundaries: False, -1, 0, 100000, 100001, 1.5", "SnapshotTests.test_row_boundaries"),
+    ("True in a compute_plan call", "RunAgentTests.test_true_in_a_compute_plan_call_is_invalid"),
+    ("the injected note authorises nothing: place_order is unknown_tool", "RunAgentTests.test_the_injected_note_authorises_nothing"),
+    ("a correct guess without evidence is invalid_final", "RunAgentTests.test_a_correct_guess_without_evidence_is_invalid_final"),
+    ("a tampered total is invalid_final", "RunAgentTests.test_a_tampered_total_is_invalid_final"),
+    ("a permission fault stops at once, no private text", "RunAgentTests.test_a_permission_fault_stops_at_once_and_leaks_no_private_text"),
+    ("an internal fault stops at once, no private text", "RunAgentTests.test_an_internal_fault_stops_at_once_and_leaks_no_private_text"),
+    ("parallel permission belongs to the registry: serial, peak 1", "RunAgentTests.test_parallel_permission_belongs_to_the_registry"),
+    ("a tool not marked read-only is refused even if registered", "RunAgentTests.test_a_tool_not_marked_read_only_is_refused_even_if_registered"),
+    ("model timeout", "TimeLimitTests.test_model_timeout"),
+    ("model exception", "RunAgentTests.test_model_exception"),
+    ("the model's history is a copy", "RunAgentTests.test_the_models_history_is_a_copy"),
+    ("a model that edits its history after deciding ends invalid_final", "RunAgentTests.test_a_model_that_edits_its_history_after_deciding_ends_invalid_final"),
+    ("read evidence must have integer types (False for 0, 4.0 for 4)", "RunAgentTests.test_read_evidence_must_have_integer_types"),
+    ("a non-dict decision", "RunAgentTests.test_a_non_dict_decision_is_invalid"),
+    ("an empty batch", "RunAgentTests.test_an_empty_batch_is_invalid"),
+    ("a serial fatal failure marks later calls batch_aborted", "RunAgentTests.test_a_serial_fatal_failure_marks_later_calls_batch_aborted"),
+    ("zero rounds", "BudgetTests.test_zero_rounds"),
+    ("invalid limits", "MisuseTests.test_invalid_limits_raise_value_error"),
+)
+
+
+class ArticleTestsTests(unittest.TestCase):
+    """The table of the article's tests: each is a test of this suite, in a class that runs on the cut core too."""
+
+    def test_each_behaviour_of_the_article_is_pinned_by_a_test_of_the_core(self):
+        for behaviour, test in ARTICLE_TESTS:
+            with self.subTest(behaviour=behaviour):
+                cls, method = test.split(".")
+                self.assertIn(cls, CORE_TESTS)
+                self.assertTrue(callable(getattr(globals()[cls], method, None)), test)
+        self.assertEqual(len({test for _, test in ARTICLE_TESTS}), len(ARTICLE_TESTS))
+
+
 # PART 1: the read-only snapshot, strict schemas, the plan, the tool registry, limits and errors, plain data
 
 def dict_subclass(value):
@@ -401,6 +455,15 @@ class SchemaTests(RuntimeTestCase):
                 with self.assertRaises(ValueError) as raised:
                     await run_agent(scripted(asked.append), fixtures=PlainTools({"tool": dict}), registry=registry, accept=never_accept)
                 self.assertEqual((str(raised.exception), asked), (message, []))
+
+    def test_a_schema_may_name_draft_2020_12_and_no_other_metaschema(self):
+        draft = "https://json-schema.org/draft/2020-12/schema"
+        self.assertIsNone(schema_error(schema(**{"$schema": draft}, properties={"a": {"$schema": draft}}), {"a": 1}))
+        for named in ("https://json-schema.org/draft/2019-09/schema", "http://json-schema.org/draft-07/schema#",
+                      "http://localhost:1234/draft2020-12/metaschema-no-validation.json", draft + "#", 2020):
+            with self.subTest(named=named), self.assertRaises(ValueError) as raised:
+                agent_loop._compile(schema(properties={"a": {"$schema": named, "minimum": 2}}))
+            self.assertEqual(str(raised.exception), f"parameters.properties.a.$schema: must be draft 2020-12's, {draft}")
 
     async def test_a_schema_edited_while_the_run_goes_on_changes_nothing_it_checks(self):
         parameters = schema(properties={"n": {"type": "integer"}}, required=["n"])
@@ -987,6 +1050,13 @@ class PreflightTests(RuntimeTestCase):
     def test_a_tool_not_read_only_is_refused(self):
         registry = {**TOOLS, "place_order": ToolSpec(1, False, True)}
         self.assertStops("permission_denied", [call("a", "place_order", sku="CUP")], registry=registry)
+
+    def test_a_write_passes_only_where_a_gate_decides_and_the_registry_is_never_rewritten(self):
+        registry = {**TOOLS, "place_order": ToolSpec(1, False, True, validate=lambda args: True)}
+        batch = [call("a", "place_order", sku="CUP")]
+        self.assertStops("permission_denied", batch, registry=registry)
+        ids, _ = preflight(batch, set(), {}, registry, Limits(), writes=True)
+        self.assertEqual((ids, registry["place_order"].read_only), ({"a"}, False))
 
     def test_preflight_keeps_the_reason_and_the_call_it_refused(self):
         registry = {"convert": CONVERSION_TOOLS["convert"]}
@@ -2386,11 +2456,6 @@ WHY_FIELDS = ("call_id", "name", "reason", "error_type", "rejected")  # what a f
 class InvariantTests(RuntimeTestCase):
     """PART 4: the invariants of every result, on seeded random runs and on named hostile cases."""
 
-    async def asyncSetUp(self):
-        # asyncio's debug mode checks every callback, which costs these thousands of runs half their time and
-        # checks nothing they assert: the runtime's behaviour is the same without it.
-        asyncio.get_running_loop().set_debug(False)
-
     def assertInvariants(self, result, limits, fixtures, seed, *, default_accept=True):
         where = f"seed {seed} (replay: AGENT_LOOP_SEED={seed})"
         self.assertEqual(set(result), {"status", "answer", "used", "history", "trace"}, where)
@@ -2428,6 +2493,9 @@ class InvariantTests(RuntimeTestCase):
         self.assertNoTaskLeft()
 
     async def asyncSetUp(self):
+        # asyncio's debug mode checks every callback, which costs these thousands of runs half their time and
+        # checks nothing they assert: the runtime's behaviour is the same without it.
+        asyncio.get_running_loop().set_debug(False)
         # Each task is marked with the case of the task that made it (the context it inherits), so that a case
         # can check that none of its own tasks is left while other cases still run.
         self.owners = weakref.WeakKeyDictionary()
@@ -2829,32 +2897,49 @@ class CommandLineTests(unittest.TestCase):
         self.assertEqual(process.returncode, 1)
 
 
-def cut_core(folder, above=6):
-    """Write into folder agent_loop.py cut just above PART `above`, with its own __main__ block, and what its tests
-    read."""
+CORE_END = "\n# PART 6:"  # the module cut here is the article's runtime, PART 1-5
+RUNTIME_END = "\n# ======"  # and cut at the banner, the whole runtime: what serves around it comes after
+
+
+def cut_module(folder, end=CORE_END):
+    """Write into folder agent_loop.py cut just above end, with its own __main__ block, and what its tests read."""
     with open(os.path.join(HERE, "agent_loop.py"), encoding="utf-8") as file:
         source = file.read()
-    core, main = source[:source.index(f"\n# PART {above}:")], source[source.index('\nif __name__ == "__main__":'):]
+    kept, main = source[:source.index(end)], source[source.index('\nif __name__ == "__main__":'):]
     with open(os.path.join(folder, "agent_loop.py"), "w", encoding="utf-8") as file:
-        file.write(core + "\n\n" + main)
-    for name in ("test_agent_loop.py", "result_ownership.py", "verify_ownership.py", "expected.json"):
+        file.write(kept + "\n\n" + main)
+    for name in ("test_agent_loop.py", "result_ownership.py", "verify_ownership.py", "expected.json", "README.md"):
         shutil.copy(os.path.join(HERE, name), folder)
     shutil.copytree(os.path.join(HERE, "schema_suite"), os.path.join(folder, "schema_suite"))
 
 
-CORE_ALONE = {}  # the run of the core's tests against the cut file: started when the whole suite loads, as it is slow
+# The classes of the runtime's later parts (PART 6-11), that the module cut at the banner runs as the whole does.
+RUNTIME_TESTS = ("FunctionToolsTests", "ObservedRefusalTests", "ProviderBridgeTests", "McpTests", "SavedRunTests",
+                 "WriteTests", "LeaseTests")
+ALONE = {}  # the runs of a cut file's tests, by name: started when the whole suite loads, as they are slow
 
 
-def start_the_core_alone():
-    """Start the core's tests against the cut file, in a Python of its own, beside the rest of the suite."""
-    folder = tempfile.mkdtemp(prefix="agent_loop_core_")
-    cut_core(folder)
+def start_alone(name):
+    """Start the tests of the cut file, "core" or "runtime", in a Python of its own, beside the rest of the suite."""
+    folder = tempfile.mkdtemp(prefix=f"agent_loop_{name}_")
+    cut_module(folder, CORE_END if name == "core" else RUNTIME_END)
     flags = ["-O"] if sys.flags.optimize else []
     # The property suite runs the very code the other core classes run; here it would only double the time.
-    names = [name for name in CORE_TESTS if name != "InvariantTests"]
-    command = [sys.executable, *flags, "-m", "unittest", *(f"test_agent_loop.{name}" for name in names)]
-    CORE_ALONE.update(folder=folder, process=subprocess.Popen(command, cwd=folder, stdout=subprocess.PIPE,
-                                                               stderr=subprocess.STDOUT, text=True))
+    names = [test for test in CORE_TESTS if test != "InvariantTests"] if name == "core" else RUNTIME_TESTS
+    command = [sys.executable, *flags, "-m", "unittest", *(f"test_agent_loop.{test}" for test in names)]
+    ALONE[name] = {"folder": folder, "process": subprocess.Popen(command, cwd=folder, stdout=subprocess.PIPE,
+                                                                 stderr=subprocess.STDOUT, text=True)}
+
+
+def finish_alone(test, name):
+    """The tests of the cut file `name` passed: they ran, and ran no test fewer than a few."""
+    if name not in ALONE:  # this test run alone, by name
+        start_alone(name)
+    process = ALONE[name]["process"]
+    test.addCleanup(shutil.rmtree, ALONE[name]["folder"], True)
+    output, _ = process.communicate(timeout=600)
+    test.assertEqual(process.returncode, 0, output[-3000:])
+    test.assertRegex(output, r"\nRan [1-9][0-9]+ tests")
 
 
 QUICK_BENCH = {}  # the quick bench's run, started when the whole suite loads: it is mostly waits
@@ -2867,9 +2952,10 @@ def start_the_quick_bench():
 
 
 def load_tests(loader, tests, pattern):
-    """The whole suite, loaded: start the core's own run and the quick bench now, so that they overlap the others."""
-    if not CORE_ALONE:
-        start_the_core_alone()
+    """The whole suite, loaded: start the cut files' runs and the quick bench now, so that they overlap the others."""
+    for name in ("core", "runtime"):
+        if name not in ALONE:
+            start_alone(name)
     if not QUICK_BENCH:
         start_the_quick_bench()
     return tests
@@ -2880,7 +2966,7 @@ class StandaloneCoreTests(unittest.TestCase):
 
     def test_the_cut_core_prints_the_demos_transcript(self):
         with tempfile.TemporaryDirectory() as folder:
-            cut_core(folder)
+            cut_module(folder)
             for args in (["demo"], []):
                 with self.subTest(args=args):
                     flags = ["-O"] if sys.flags.optimize else []
@@ -2891,21 +2977,29 @@ class StandaloneCoreTests(unittest.TestCase):
     def test_the_readmes_prototype_runs_on_part_1_to_6_alone(self):
         (example,) = code_blocks(readme_section("Copy it into your own prototype"), "python")
         with tempfile.TemporaryDirectory() as folder:
-            cut_core(folder, above=7)
+            cut_module(folder, "\n# PART 7:")
             done = subprocess.run([sys.executable, "-c", example], cwd=folder, capture_output=True, text=True,
                                   timeout=120, check=False)
         self.assertEqual((done.returncode, done.stderr), (0, ""))
         self.assertEqual(done.stdout, re.search(r"print\(.*\)  # (.*)", example)[1] + "\n")
 
     def test_the_cut_core_passes_the_cores_tests(self):
-        if not CORE_ALONE:  # this test run alone, by name
-            start_the_core_alone()
-        process = CORE_ALONE["process"]
-        self.addCleanup(shutil.rmtree, CORE_ALONE["folder"], True)
-        output, _ = process.communicate(timeout=600)
-        self.assertEqual(process.returncode, 0, output[-3000:])
-        self.assertRegex(output, r"\nRan [1-9][0-9]+ tests")
+        finish_alone(self, "core")
 
+
+
+class LaterPartsTests(unittest.TestCase):
+    """The later parts declare what they add where the core reads it: the core's own lists stay the article's."""
+
+    def test_the_cores_lists_are_the_articles_and_every_list_adds_the_later_parts_after_them(self):
+        self.assertEqual(list(STOP_STATUSES), STATUSES)
+        self.assertEqual(agent_loop.OBSERVATION_ERRORS, ("temporary", "tool_timeout", "batch_aborted", "tool_error"))
+        every = agent_loop.every_status()
+        self.assertEqual((every[:len(STATUSES)], len(set(every))), (STOP_STATUSES, len(every)))
+        self.assertIn("superseded", every[len(STATUSES):])
+        self.assertEqual(list(agent_loop.COMMANDS), ["demo"])
+        self.assertEqual(list(agent_loop.every_command()), ["demo", "scenarios", "bench"])
+        self.assertIs(agent_loop.every_command()["demo"][2], agent_loop._drawn_demo)  # the timeline's draws its runs
 
 
 # PART 6: your own tools: plain and async functions behind the same runtime
@@ -3134,6 +3228,53 @@ class FunctionToolsTests(LookupTool, RuntimeTestCase):
                 self.assertEqual(result["trace"][-1]["error_type"], raised.__name__)
                 self.assertNoPrivateText(result)
 
+    async def test_a_stop_iteration_from_a_plain_function_is_a_fault_not_a_timeout(self):
+        def no_match(**args):
+            return next(iter([]))
+
+        registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
+        result = await run_agent(scripted(calls(call("a", "f"))), fixtures=agent_loop.FunctionTools({"f": no_match}),
+                                 registry=registry, limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
+        self.assertEqual((errors(result), result["status"]), (["tool_exception"], "tool_exception"))
+
+    async def test_abandoned_threads_never_starve_a_later_call(self):
+        gate = threading.Event()
+        self.addCleanup(gate.set)
+
+        def hangs(n):
+            gate.wait(30)
+
+        def instant(n):
+            return {"n": n}
+
+        async def model(history):  # 36 hanging calls, 4 a round, then one instant call, then an answer
+            number = len(history)
+            if number < 9:
+                return calls(*(call(f"h{number}-{i}", "hang", n=number * 4 + i) for i in range(4)))
+            return calls(call("i", "instant", n=0)) if number == 9 else final("done")
+
+        registry = {name: ToolSpec(0, True, True, validate=lambda args: True) for name in ("hang", "instant")}
+        tools = agent_loop.FunctionTools({"hang": hangs, "instant": instant})
+        limits = Limits(rounds=11, calls=40, credits=100, tool_seconds=0.05, model_seconds=5, total_seconds=30)
+        result = await run_agent(model, fixtures=tools, registry=registry, limits=limits, accept=lambda answer, history: True)
+        self.assertEqual((result["status"], len(tools.abandoned)), ("completed", 36))
+        self.assertEqual(observations(result)[-1]["data"], {"n": 0})  # admitted, started and finished at once
+
+    async def test_whatever_returns_an_awaitable_is_awaited(self):
+        async def rate(base, quote):
+            return {"rate_micros": 1_085_000}
+
+        class AsyncCall:
+            async def __call__(self, base, quote):
+                return await rate(base, quote)
+
+        for function in (AsyncCall(), functools.partial(rate), lambda **args: rate(**args)):
+            with self.subTest(function=function):
+                registry = {"get_rate": CONVERSION_TOOLS["get_rate"]}
+                result = await run_agent(scripted(calls(call("r", "get_rate", base="EUR", quote="USD"))), registry=registry,
+                                         fixtures=agent_loop.FunctionTools({"get_rate": function}), limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
+                self.assertEqual(observations(result)[0]["data"], {"rate_micros": 1_085_000})
+
     async def test_your_own_tools_need_your_own_fixtures_functions_and_final_check(self):
         functions = RateDesk().functions()
         cases = [
@@ -3291,228 +3432,7 @@ class ObservedRefusalTests(RuntimeTestCase):
                 self.assertEqual(str(raised.exception), message)
 
 
-# PART 8: the scenario atlas: one small, deterministic run per stop status
-
-ATLAS_EXPECTED = {  # name: (rounds, calls, credits, observation errors in order)
-    "completed": (3, 3, 17, []),
-    "round_limit": (2, 3, 14, []),
-    "call_limit": (1, 0, 3, []),
-    "credit_limit": (2, 3, 14, []),
-    "deadline": (1, 2, 7, ["tool_timeout", "tool_timeout"]),
-    "cancelled": (1, 2, 7, ["cancelled", "cancelled"]),
-    "model_timeout": (1, 0, 3, []),
-    "model_exception": (1, 0, 3, []),
-    "invalid_decision": (1, 0, 3, []),
-    "invalid_final": (1, 0, 3, []),
-    "invalid_batch": (1, 0, 3, []),
-    "invalid_call": (1, 0, 3, []),
-    "invalid_call_id": (1, 0, 3, []),
-    "duplicate_call_id": (1, 0, 3, []),
-    "unknown_tool": (2, 2, 10, []),
-    "permission_denied": (1, 1, 5, ["permission_denied", "batch_aborted"]),
-    "invalid_arguments": (1, 0, 3, []),
-    "repeat_limit": (3, 3, 15, ["temporary", "temporary"]),
-    "tool_exception": (1, 2, 7, ["tool_exception"]),
-}
-
-
-# What `python3 agent_loop.py scenarios` prints, written out (the README shows the same table).
-ATLAS_TABLE = """\
-scenario           status             rounds calls credits  what happened
-completed          completed               3     3      17  both reads in one parallel batch, then the plan; the answer passed the final check
-round_limit        round_limit             2     3      14  two rounds read and planned; no round was left for the answer
-call_limit         call_limit              1     0       3  the first batch holds two reads but one call was allowed: nothing ran
-credit_limit       credit_limit            2     3      14  the plan was computed, then 14 + 3 credits for the answer passed 16
-deadline           deadline                1     2       7  both reads hung; the 0.3 s run deadline cut them off (tool_timeout) and ended the run
-cancelled          cancelled               1     2       7  the cancel event was set while both reads ran; both were cancelled and kept as observations
-model_timeout      model_timeout           1     0       3  the model did not decide within 0.05 s
-model_exception    model_exception         1     0       3  the model raised; its message is not kept
-invalid_decision   invalid_decision        1     0       3  the model returned text instead of a decision
-invalid_final      invalid_final           1     0       3  a correct answer guessed before any evidence was read
-invalid_batch      invalid_batch           1     0       3  an empty batch of calls
-invalid_call       invalid_call            1     0       3  a call that is a string, not a dict
-invalid_call_id    invalid_call_id         1     0       3  an empty call id
-duplicate_call_id  duplicate_call_id       1     0       3  two calls with the id 'a' in one batch: nothing ran
-unknown_tool       unknown_tool            2     2      10  the injected note asked for place_order; text in data grants no tool
-permission_denied  permission_denied       1     1       5  north refused permission; in a serial batch south was then batch_aborted
-invalid_arguments  invalid_arguments       1     0       3  a path-like partition, '../north'
-repeat_limit       repeat_limit            3     3      15  north failed temporarily twice; a third identical read was refused
-tool_exception     tool_exception          1     2       7  north had an internal fault; its message is not kept
-"""
-STATUSES = [
-    "completed", "round_limit", "call_limit", "credit_limit", "deadline", "cancelled", "model_timeout",
-    "model_exception", "invalid_decision", "invalid_final", "invalid_batch", "invalid_call", "invalid_call_id",
-    "duplicate_call_id", "unknown_tool", "permission_denied", "invalid_arguments", "repeat_limit", "tool_exception",
-]
-
-
-WHY = {  # each atlas scenario's stop event, beyond event, status and used: why, in plain data
-    "completed": {},
-    "round_limit": {"reason": "all 2 rounds were used"},
-    "call_limit": {"reason": "2 calls asked, 1 left"},
-    "credit_limit": {"reason": "a decision costs 3 credits, 2 left"},
-    "deadline": {},
-    "cancelled": {},
-    "model_timeout": {},
-    "model_exception": {"error_type": "RuntimeError"},
-    "invalid_decision": {"reason": "a decision is a dict"},
-    "invalid_final": {"rejected": PLAN, "reason": "the final check did not accept it"},
-    "invalid_batch": {"reason": "no calls"},
-    "invalid_call": {"reason": "a call is a dict of exactly call_id, name and arguments"},
-    "invalid_call_id": {"reason": "a call id is a string of 1 to 80 characters"},
-    "duplicate_call_id": {"call_id": "a", "reason": "the call id was used before"},
-    "unknown_tool": {"call_id": "order", "name": "place_order", "reason": "no tool of that name"},
-    "permission_denied": {"call_id": "r1-north", "name": "read_partition", "error_type": "PermissionError"},
-    "invalid_arguments": {"call_id": "a", "name": "read_partition", "reason": "partition: not one of the allowed values"},
-    "repeat_limit": {"call_id": "r3-north", "name": "read_partition",
-                     "reason": "the same tool and arguments at most 2 times"},
-    "tool_exception": {"call_id": "r1-north", "name": "read_partition", "error_type": "RuntimeError"},
-}
-
-
-class AtlasTests(RuntimeTestCase):
-    """PART 8: the scenario atlas: one run per stop status, its stop event, its table, its JSON and its command line."""
-
-    def test_every_stop_status_has_a_scenario_of_that_name_the_contracts_first(self):
-        self.assertEqual(list(STOP_STATUSES[:len(STATUSES)]), STATUSES)  # later parts add theirs after
-        self.assertEqual([name for name, _, _ in agent_loop.ATLAS][:len(STATUSES)], STATUSES)
-        self.assertLessEqual(set(STOP_STATUSES), {name for name, _, _ in agent_loop.ATLAS})
-
-    async def test_each_scenario_stops_with_its_status_budget_and_errors(self):
-        for name, (rounds, calls_used, credits, errors_seen) in ATLAS_EXPECTED.items():
-            with self.subTest(name=name):
-                result, fixtures = await agent_loop.run_scenario(name)
-                self.assertEqual(result["status"], name)
-                self.assertEqual(result["used"], {"rounds": rounds, "calls": calls_used, "credits": credits})
-                self.assertEqual(errors(result), errors_seen)
-                self.assertEqual(fixtures.active, 0)
-                self.assertNoPrivateText(result)
-        self.assertNoTaskLeft()
-
-    def test_the_atlas_covers_the_observation_only_errors(self):
-        seen = {error for *_, errors_seen in ATLAS_EXPECTED.values() for error in errors_seen}
-        self.assertLessEqual({"temporary", "tool_timeout", "batch_aborted", "cancelled"}, seen)
-
-    def test_the_table_is_the_one_written_out_here_and_in_the_readme(self):
-        first, second = run_commands(["scenarios"], ["scenarios"])
-        self.assertEqual((first.returncode, first.stderr), (0, ""))
-        self.assertEqual(first.stdout, second.stdout)
-        self.assertEqual(first.stdout.splitlines()[:len(STATUSES) + 1], ATLAS_TABLE.splitlines())  # then later parts'
-
-        shown = re.search(r"```\n(scenario .*?)```", readme_section("Every status, one command"), re.S)[1].splitlines()
-        self.assertEqual(shown, [line for line in ATLAS_TABLE.splitlines() if line in shown])  # its lines, in order
-        self.assertGreaterEqual(len(shown), 2)
-
-    def test_the_json_table_holds_the_same_rows_and_each_runs_errors(self):
-        done = run_command("scenarios", "--json")
-        self.assertEqual((done.returncode, done.stderr), (0, ""))
-        rows = json.loads(done.stdout)
-        whys = [line.split(maxsplit=5)[5] for line in ATLAS_TABLE.splitlines()[1:]]
-        self.assertEqual([(row["name"], row["why"]) for row in rows[:len(STATUSES)]], list(zip(STATUSES, whys)))
-        for row in rows[:len(STATUSES)]:
-            used = row["used"]
-            self.assertEqual((row["status"], used["rounds"], used["calls"], used["credits"], row["errors"]),
-                             (row["name"], *ATLAS_EXPECTED[row["name"]]))
-
-    def test_one_scenario_prints_its_events_as_they_happen_then_its_status_and_answer(self):
-        done = run_command("scenarios", "cancelled")
-        self.assertEqual((done.returncode, done.stderr), (0, ""))
-        head, rest = done.stdout.split("\n", 1)
-        self.assertEqual(head, "cancelled: each trace event as it happens")
-        events, decoder = [], json.JSONDecoder()
-        while rest.startswith("{"):
-            event, end = decoder.raw_decode(rest)
-            events.append(event)
-            rest = rest[end:].lstrip("\n")
-        self.assertEqual([(event["event"], event.get("status")) for event in events],
-                         [("decision", None), ("observations", None), ("stop", "cancelled")])
-        lines = rest.splitlines()
-        self.assertEqual(lines[0], "cancelled cancelled {'rounds': 1, 'calls': 2, 'credits': 7}")
-        self.assertIn(lines[1], ("finish order: ['r1-north', 'r1-south']", "finish order: ['r1-south', 'r1-north']"))
-        self.assertEqual(lines[2:], ["null"])
-
-    def test_an_unknown_scenario_name_is_refused(self):
-        done = run_command("scenarios", "no_such_status")
-        self.assertEqual(done.returncode, 2)
-        self.assertIn("invalid choice", done.stderr)
-
-    async def test_each_failure_says_why_in_its_stop_event(self):
-        self.assertEqual(list(WHY), STATUSES)
-        for name, why in WHY.items():
-            with self.subTest(name=name):
-                result, _ = await agent_loop.run_scenario(name)
-                stop = result["trace"][-1]
-                self.assertEqual({key: value for key, value in stop.items()
-                                  if key not in ("event", "status", "rounds", "calls", "credits")}, why)
-                self.assertIsNone(result["answer"]) if name != "completed" else None
-                self.assertNoPrivateText(result)
-
-
-# PART 9: the benchmark: what parallel batches and bounded waits buy, and what the runtime costs
-
-class BenchTests(unittest.TestCase):
-    """PART 9: the benchmark: its figures are checked for sanity, never for speed."""
-
-    def test_help_lists_the_commands_of_the_whole_module(self):
-        done = run_command("--help")
-        self.assertEqual((done.returncode, list(agent_loop.every_command())), (0, ["demo", "scenarios", "bench"]))
-        for command in agent_loop.every_command():
-            self.assertIn(f"    {command} ", done.stdout)
-
-    def test_the_quick_bench_prints_every_figure_positive_and_finite(self):
-        if not QUICK_BENCH:  # this test run alone, by name
-            start_the_quick_bench()
-        stdout, stderr = QUICK_BENCH["process"].communicate(timeout=600)
-        self.assertEqual((QUICK_BENCH["process"].returncode, stderr), (0, ""))
-        figures = json.loads(stdout)
-        self.assertEqual(list(figures)[:7], ["python", "cores", "repeats", "parallel_efficiency", "overhead",
-                                             "limit_overshoot", "growth"])  # then what later parts measure
-        self.assertEqual(list(figures)[7:], [name for name, _, _ in agent_loop.BENCH_PARTS])
-        self.assertEqual(figures["python"], platform.python_version())
-        self.assertEqual(sorted(figures["parallel_efficiency"]), ["1", "2", "4"])
-        self.assertEqual(sorted(figures["overhead"]), ["call_us", "round_us"])
-        self.assertEqual(sorted(figures["limit_overshoot"]), ["tool_ms", "total_ms"])
-        durations = [spread for modes in figures["parallel_efficiency"].values() for spread in modes.values()]
-        durations += [figures["overhead"]["round_us"]]
-        durations += [spread for row in figures["growth"].values() for spread in row.values()]
-        # Differences of two times (a further call, the time past a limit) may come out below zero on a busy machine.
-        differences = [figures["overhead"]["call_us"], *figures["limit_overshoot"].values()]
-        self.assertEqual(len(durations + differences), 6 + 2 + 2 + 2 * len(figures["growth"]))
-        pool, saving = figures["pool_runs_per_second"], figures["store_ms"]
-        self.assertEqual(({where: sorted(rows) for where, rows in pool.items()}, sorted(saving)),
-                         ({"SQLite": ["1", "2", "4"]}, ["10", "100"]))
-        self.assertIsNone(figures["postgres_store_ms"])  # measured by python3 test_agent_loop.py bench
-        durations += [*pool["SQLite"].values(), *saving.values()]
-        for positive, spreads in ((True, durations), (False, differences)):
-            for spread in spreads:
-                self.assertEqual(sorted(spread), ["max", "median", "min"])
-                self.assertTrue(all(math.isfinite(value) for value in spread.values()), spread)
-                self.assertTrue(spread["min"] > 0 or not positive, spread)
-                self.assertLessEqual(spread["min"], spread["median"])
-                self.assertLessEqual(spread["median"], spread["max"])
-        # Physical floors, not speeds: k waits of 50 ms one after another take at least k x 50 ms; side by side, 50 ms.
-        for k, modes in figures["parallel_efficiency"].items():
-            with self.subTest(k=k):
-                self.assertGreaterEqual(modes["serial"]["min"], int(k) * 0.999)
-                self.assertGreaterEqual(modes["parallel"]["min"], 0.999)
-
-    def test_growth_is_measured_beside_the_copy_floor_of_the_same_history(self):
-        copied = []
-        real_copy = agent_loop._copy
-
-        def spy(value, *args):
-            if type(value) is list and len(value) == 10 and all(type(record) is dict and "round" in record
-                                                                for record in value):
-                copied.append(len(value))
-            return real_copy(value, *args)
-
-        with unittest.mock.patch.object(agent_loop, "_copy", spy):
-            figures = asyncio.run(agent_loop._growth((10,), samples=3))
-        self.assertEqual(copied, [10] * 4)  # the model's copy in round 11, then the floor's three
-        self.assertEqual(sorted(figures["10"]), ["copy_ms", "round_ms"])
-
-
-# PART 10: connect a real model: the OpenAI Responses, OpenAI Chat Completions and Anthropic Messages formats,
+# PART 8: connect a real model: the OpenAI Responses, OpenAI Chat Completions and Anthropic Messages formats,
 # here with literal replies shaped like the providers' documented ones
 
 def fc(call_id, name, arguments, item_id=None):
@@ -4056,58 +3976,19 @@ class ProviderBridgeTests(RuntimeTestCase):
             with self.subTest(task=task), self.assertRaises(ValueError):
                 agent_loop.chat_model(create, task)
 
-    async def test_a_stop_iteration_from_a_plain_function_is_a_fault_not_a_timeout(self):
+    async def test_a_stop_iteration_from_a_plain_create_is_a_model_exception(self):
         def no_match(**args):
             return next(iter([]))
 
-        registry = {"f": ToolSpec(1, True, True, validate=lambda args: True)}
-        result = await run_agent(scripted(calls(call("a", "f"))), fixtures=agent_loop.FunctionTools({"f": no_match}), registry=registry,
-                                 limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
-        self.assertEqual((errors(result), result["status"]), (["tool_exception"], "tool_exception"))
         result = await run_agent(agent_loop.responses_model(no_match, "task"), limits=ROOMY)
         self.assertEqual(result["status"], "model_exception")
 
-    async def test_abandoned_threads_never_starve_a_later_call(self):
-        gate = threading.Event()
-        self.addCleanup(gate.set)
-
-        def hangs(n):
-            gate.wait(30)
-
-        def instant(n):
-            return {"n": n}
-
-        async def model(history):  # 36 hanging calls, 4 a round, then one instant call, then an answer
-            number = len(history)
-            if number < 9:
-                return calls(*(call(f"h{number}-{i}", "hang", n=number * 4 + i) for i in range(4)))
-            return calls(call("i", "instant", n=0)) if number == 9 else final("done")
-
-        registry = {name: ToolSpec(0, True, True, validate=lambda args: True) for name in ("hang", "instant")}
-        tools = agent_loop.FunctionTools({"hang": hangs, "instant": instant})
-        limits = Limits(rounds=11, calls=40, credits=100, tool_seconds=0.05, model_seconds=5, total_seconds=30)
-        result = await run_agent(model, fixtures=tools, registry=registry, limits=limits, accept=lambda answer, history: True)
-        self.assertEqual((result["status"], len(tools.abandoned)), ("completed", 36))
-        self.assertEqual(observations(result)[-1]["data"], {"n": 0})  # admitted, started and finished at once
-        # The bridge's plain create as well: a call that is admitted actually starts.
+    async def test_a_plain_create_that_is_admitted_actually_starts(self):
         plain_create = Recorder(responses_reply(message(output_text(json.dumps(PLAN)))))
         result = await run_agent(agent_loop.responses_model(plain_create, "task"), limits=ROOMY)
         self.assertEqual((result["status"], len(plain_create.requests)), ("invalid_final", 1))
 
-    async def test_whatever_returns_an_awaitable_is_awaited(self):
-        async def rate(base, quote):
-            return {"rate_micros": 1_085_000}
-
-        class AsyncCall:
-            async def __call__(self, base, quote):
-                return await rate(base, quote)
-
-        for function in (AsyncCall(), functools.partial(rate), lambda **args: rate(**args)):
-            with self.subTest(function=function):
-                registry = {"get_rate": CONVERSION_TOOLS["get_rate"]}
-                result = await run_agent(scripted(calls(call("r", "get_rate", base="EUR", quote="USD"))), registry=registry,
-                                         fixtures=agent_loop.FunctionTools({"get_rate": function}), limits=dataclasses.replace(ROOMY, rounds=1), accept=never_accept)
-                self.assertEqual(observations(result)[0]["data"], {"rate_micros": 1_085_000})
+    async def test_whatever_create_returns_as_an_awaitable_is_awaited(self):
         reply = responses_reply(message(output_text("an answer")))
 
         async def create(**request):
@@ -4186,329 +4067,6 @@ try:
     import anthropic
 except ImportError:
     anthropic = None
-
-class Malformed(Exception):
-    """A request the real API would answer with HTTP 400."""
-
-
-def require(condition, message):
-    if not condition:
-        raise Malformed(message)
-
-
-def wire_arguments(value):
-    """Arguments as a provider reads them: the JSON object that text encodes, else the value as it came."""
-    if type(value) is str:
-        try:
-            parsed = json.loads(value)
-        except ValueError:
-            return value
-        return parsed if type(parsed) is dict else value
-    return value
-
-
-def wire_text(content):
-    """A message's text: a string, or a list of text parts."""
-    if type(content) is str:
-        return content
-    require(type(content) is list and all(type(part) is dict for part in content), "content must be text or parts")
-    return "".join(part.get("text", "") for part in content)
-
-
-class Conversation:
-    """What a request says happened: the task, then rounds of calls, each answered by exactly one output."""
-
-    def __init__(self, task):
-        self.task, self.rounds, self.owner = task, [], {}
-
-    def call(self, call_id, name, arguments, new_round):
-        require(type(call_id) is str and call_id, "a tool call needs an id")
-        require(call_id not in self.owner, f"tool call id {call_id} appears twice")
-        require(type(name) is str and name, "a tool call needs a name")
-        if new_round or not self.rounds:
-            self.rounds.append({"calls": [], "outputs": {}})
-        self.rounds[-1]["calls"].append({"id": call_id, "name": name, "arguments": wire_arguments(arguments)})
-        self.owner[call_id] = self.rounds[-1]
-
-    def output(self, call_id, text, is_error=None):
-        require(call_id in self.owner, f"no tool call {call_id} for this output")
-        require(call_id not in self.owner[call_id]["outputs"], f"a second output for {call_id}")
-        require(type(text) is str, "a tool output must be a string")
-        require(is_error is None or type(is_error) is bool, "is_error must be a boolean")
-        self.owner[call_id]["outputs"][call_id] = {"text": text, "is_error": is_error}
-
-    def unanswered(self):
-        return [cid for cid, owner in self.owner.items() if cid not in owner["outputs"]]
-
-    def results(self):
-        """{tool name: [data of each successful output, in order]}, read back from the replayed outputs."""
-        done = {}
-        for record in self.rounds:
-            for item in record["calls"]:
-                result = json.loads(record["outputs"][item["id"]]["text"])
-                if result["ok"]:
-                    done.setdefault(item["name"], []).append(result["data"])
-        return done
-
-
-def offered_tools(body, key, schema_key):
-    tools = body.get("tools", [])
-    require(type(tools) is list, "tools must be a list")
-    names = []
-    for tool in tools:
-        declared = tool.get("function") if key == "chat" else tool
-        require(type(declared) is dict and type(declared.get("name")) is str, "a tool needs a name")
-        require(key == "messages" or tool.get("type") == "function", "a tool's type must be function")
-        require(type(declared.get(schema_key)) is dict and declared[schema_key].get("type") == "object",
-                f"a tool's {schema_key} must be a schema of type object")
-        names.append(declared["name"])
-    return names
-
-
-def read_responses(body):
-    items = body.get("input")
-    require(type(body.get("model")) is str, "model is required")
-    require(type(items) is list and items and all(type(item) is dict for item in items), "input must be a list of items")
-    require(items[0].get("role") == "user", "the first input item must be a user message")
-    talk, previous = Conversation(wire_text(items[0].get("content"))), None
-    for item in items[1:]:
-        kind = item.get("type", "message")
-        if kind == "function_call":
-            require(set(item) == {"type", "call_id", "name", "arguments"}, "a function_call has unknown keys")
-            require(type(item["arguments"]) is str, "function_call arguments must be a string")
-            talk.call(item["call_id"], item["name"], item["arguments"], previous != "function_call")
-        elif kind == "function_call_output":
-            require(set(item) == {"type", "call_id", "output"}, "a function_call_output has unknown keys")
-            talk.output(item["call_id"], item["output"])
-        else:
-            require(kind == "message" and item.get("role") in ("user", "assistant"), "an unknown input item")
-            wire_text(item.get("content"))
-        previous = kind
-    require(not talk.unanswered(), "every function call needs its output")
-    return talk, offered_tools(body, "responses", "parameters")
-
-
-def read_chat(body):
-    messages = body.get("messages")
-    require(type(body.get("model")) is str, "model is required")
-    require(type(messages) is list and messages and all(type(m) is dict for m in messages), "messages must be a list")
-    require(messages[0].get("role") == "user", "the first message must be the user's")
-    talk, waiting = Conversation(wire_text(messages[0].get("content"))), set()
-    for m in messages[1:]:
-        role = m.get("role")
-        require(role == "tool" or not waiting, "tool_calls must be answered by tool messages before anything else")
-        if role == "tool":
-            require(set(m) == {"role", "tool_call_id", "content"} and m["tool_call_id"] in waiting,
-                    "a tool message must answer a waiting tool call")
-            waiting.discard(m["tool_call_id"])
-            talk.output(m["tool_call_id"], m["content"])
-        else:
-            require(role in ("user", "assistant"), "an unknown role")
-            tool_calls = m.get("tool_calls") or []
-            require(m.get("content") is not None or tool_calls, "a message needs content")
-            for index, tool_call in enumerate(tool_calls):
-                function = tool_call.get("function") or {}
-                require(tool_call.get("type") == "function" and type(function.get("arguments")) is str,
-                        "a tool call's arguments must be a string")
-                talk.call(tool_call.get("id"), function.get("name"), function["arguments"], index == 0)
-                waiting.add(tool_call["id"])
-    require(not waiting, "every tool call needs its tool message")
-    return talk, offered_tools(body, "chat", "parameters")
-
-
-def read_messages(body):
-    messages = body.get("messages")
-    require(type(body.get("model")) is str, "model is required")
-    require(type(body.get("max_tokens")) is int, "max_tokens is required")
-    require(type(messages) is list and messages and all(type(m) is dict for m in messages), "messages must be a list")
-    talk, expected = Conversation(wire_text(messages[0].get("content"))), []
-    for index, m in enumerate(messages):
-        require(m.get("role") == ("user", "assistant")[index % 2], "roles must alternate, starting with user")
-        blocks = m["content"] if type(m.get("content")) is list else [{"type": "text", "text": wire_text(m.get("content"))}]
-        if m["role"] == "user":
-            results = [block for block in blocks if block.get("type") == "tool_result"]
-            require(blocks[:len(results)] == results, "tool_result blocks must come first")
-            require(sorted(block.get("tool_use_id") for block in results) == sorted(expected),
-                    "each tool_use needs a tool_result in the next message, and no other")
-            for block in results:
-                require(set(block) <= {"type", "tool_use_id", "content", "is_error"}, "a tool_result has unknown keys")
-                talk.output(block["tool_use_id"], block.get("content"), block.get("is_error"))
-            expected = []
-        else:
-            uses = [block for block in blocks if block.get("type") == "tool_use"]
-            for number, block in enumerate(uses):
-                require(set(block) == {"type", "id", "name", "input"}, "a tool_use has unknown keys")
-                require(type(block["input"]) is dict, "a tool_use input must be an object")
-                talk.call(block["id"], block["name"], block["input"], number == 0)
-            expected = [block["id"] for block in uses]
-    require(not expected, "the last tool_use blocks were never answered")
-    return talk, offered_tools(body, "messages", "input_schema")
-
-
-def new_id(prefix):
-    return prefix + os.urandom(8).hex()
-
-
-def reply_responses(body, action):
-    cut = bool(action.get("cut_off"))
-    output = []
-    if "refusal" in action:
-        output.append({"id": new_id("msg_"), "type": "message", "role": "assistant", "status": "completed",
-                       "content": [{"type": "refusal", "refusal": action["refusal"]}]})
-    elif "text" in action:
-        output.append({"id": new_id("msg_"), "type": "message", "role": "assistant",
-                       "status": "incomplete" if cut else "completed",
-                       "content": [{"type": "output_text", "text": action["text"], "annotations": [], "logprobs": []}]})
-    for call_id, name, arguments in action.get("calls", ()):
-        output.append({"id": new_id("fc_"), "type": "function_call", "status": "completed", "name": name,
-                       "call_id": call_id or new_id("call_"),
-                       "arguments": arguments if type(arguments) is str else json.dumps(arguments)})
-    now = int(time.time())
-    return {"id": new_id("resp_"), "object": "response", "created_at": now, "model": body["model"], "output": output,
-            "status": "incomplete" if cut else "completed", "completed_at": None if cut else now, "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-            "parallel_tool_calls": True, "tool_choice": "auto", "tools": body.get("tools", []),
-            "text": {"format": {"type": "text"}, "verbosity": "medium"},
-            "usage": {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-                      "output_tokens": 5, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 15}}
-
-
-def reply_chat(body, action):
-    tool_calls = [{"id": call_id or new_id("call_"), "type": "function",
-                   "function": {"name": name, "arguments": arguments if type(arguments) is str else json.dumps(arguments)}}
-                  for call_id, name, arguments in action.get("calls", ())]
-    message = {"role": "assistant", "content": action.get("text"), "refusal": action.get("refusal"), "annotations": []}
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    finish = "length" if action.get("cut_off") else "tool_calls" if tool_calls else "stop"
-    return {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()), "model": body["model"],
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
-
-
-def reply_messages(body, action):
-    text = action.get("refusal", action.get("text"))
-    content = [{"type": "text", "text": text}] if text is not None else []
-    content += [{"type": "tool_use", "id": call_id or new_id("toolu_"), "name": name, "input": wire_arguments(arguments)}
-                for call_id, name, arguments in action.get("calls", ())]
-    stop = ("refusal" if "refusal" in action else "max_tokens" if action.get("cut_off")
-            else "tool_use" if action.get("calls") else "end_turn")
-    return {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": body["model"], "content": content,
-            "stop_reason": stop, "stop_sequence": None,
-            "usage": {"input_tokens": 10, "output_tokens": 5, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
-
-
-PROVIDER_PATHS = {"/v1/responses": ("responses", read_responses, reply_responses),
-                  "/v1/chat/completions": ("chat", read_chat, reply_chat),
-                  "/v1/messages": ("messages", read_messages, reply_messages)}
-
-
-def error_body(api, status, text):
-    if api == "messages":
-        kind = "invalid_request_error" if status < 500 else "api_error"
-        return {"type": "error", "error": {"type": kind, "message": text}}
-    return {"error": {"message": text, "type": "invalid_request_error" if status < 500 else "server_error",
-                      "param": None, "code": None}}
-
-
-class ProviderHandler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args):
-        pass
-
-    def send(self, status, payload):
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        try:
-            self.wfile.write(data)
-        except OSError:  # the client stopped waiting
-            pass
-
-    def do_POST(self):
-        fake = self.server.fake
-        api, read, reply = PROVIDER_PATHS[self.path]
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        try:
-            talk, tools = read(body)
-        except (Malformed, AttributeError, KeyError, TypeError) as error:
-            fake.record(api, body, 400)
-            return self.send(400, error_body(api, 400, str(error)))
-        action = fake.brain(api, talk, tools)
-        while "sleep" in action:
-            time.sleep(action["sleep"])
-            action = action["then"]
-        status = action.get("status", 200)
-        fake.record(api, body, status)
-        self.send(status, reply(body, action) if status == 200 else error_body(api, status, "a fake failure"))
-
-
-class QuietServer(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request, client_address):
-        if not issubclass(sys.exc_info()[0], OSError):  # a client that hung up is no news; anything else is
-            super().handle_error(request, client_address)
-
-
-class FakeProvider:
-    """The three APIs on 127.0.0.1: each valid request is answered by brain(api, conversation, tool names), which
-    returns an action: {"calls": [(id or None, name, arguments)]}, {"text": ...}, {"refusal": ...},
-    {"cut_off": True, "text": ...}, {"status": 500}, or {"sleep": seconds, "then": action}."""
-
-    def __init__(self, brain):
-        self.brain, self.seen, self.lock = brain, [], threading.Lock()
-        self.server = None
-
-    @property
-    def url(self):
-        """The provider's address. Its server starts when the address is first asked for: a test that skips
-        because its SDK is missing starts nothing."""
-        if self.server is None:
-            self.server = QuietServer(("127.0.0.1", 0), ProviderHandler)
-            self.server.fake = self
-            # A short poll: shutdown() waits for the serving loop to look, 0.5 s at the default.
-            threading.Thread(target=self.server.serve_forever, args=(0.01,), daemon=True).start()
-        return "http://127.0.0.1:%d" % self.server.server_address[1]
-
-    def record(self, api, body, status):
-        with self.lock:
-            self.seen.append((api, body, status))
-
-    def statuses(self):
-        return [status for _, _, status in self.seen]
-
-    def close(self):
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
-
-
-def inventory_brain(api, talk, tools):
-    """The inventory task, decided from the outputs the request replays: read both, plan from the rows, answer."""
-    done = talk.results()
-    reads = {data["partition"]: data["rows"] for data in done.get("read_partition", [])}
-    missing = [partition for partition in ("north", "south") if partition not in reads]
-    if missing:
-        return {"calls": [(None, "read_partition", {"partition": partition}) for partition in missing]}
-    if "compute_plan" not in done:
-        return {"calls": [(None, "compute_plan", {"rows": reads["north"] + reads["south"]})]}
-    return {"text": json.dumps(done["compute_plan"][-1])}
-
-
-def conversion_brain(api, talk, tools):
-    """The conversion task of the own-prototype tests, decided from the replayed outputs."""
-    done = talk.results()
-    if "get_rate" not in done:
-        return {"calls": [(None, "get_rate", {"base": "EUR", "quote": "USD"})]}
-    rate = done["get_rate"][-1]["rate_micros"]
-    if "convert" not in done:
-        return {"calls": [(None, "convert", {"amount_cents": AMOUNT, "rate_micros": rate})]}
-    converted = done["convert"][-1]
-    return {"text": json.dumps({key: converted[key] for key in ("amount_cents", "rate_micros", "converted_cents")})}
 
 
 SDK_MISSING = {"responses": openai is None, "chat": openai is None, "messages": anthropic is None}
@@ -4678,7 +4236,7 @@ class SdkLaneTests(RuntimeTestCase):
                     self.assertEqual((result["status"], result["used"]["rounds"]), ("model_timeout", 1))
 
 
-# PART 11: tools from an MCP server. A fake session speaks the protocol's dicts (camelCase) or hands out objects
+# PART 9: tools from an MCP server. A fake session speaks the protocol's dicts (camelCase) or hands out objects
 # whose model_dump() gives the official SDK's snake_case; the SDK lane starts a real server over stdio.
 
 def protocol_tool(name, properties, description="", **annotations):
@@ -4990,50 +4548,6 @@ try:
 except ImportError:
     ClientSession = None
 
-# A real MCP server, written with the official package, run over stdio by the SDK lane's tests.
-
-MCP_SERVER = """
-import asyncio, os
-from mcp.server.mcpserver import MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
-from mcp.types import ToolAnnotations
-
-server = MCPServer("inventory-test", log_level="WARNING")  # quiet about the isError results it sends
-STOCK = {"A-1": 12, "B-2": 0}
-
-@server.tool()
-def read_stock(sku: str) -> dict[str, int]:
-    '''Stock of one sku.'''
-    return {"stock": STOCK.get(sku, 0)}
-
-@server.tool()
-def lookup(code: str) -> str:
-    '''Country of a two-letter code.'''
-    if code != "FR":
-        raise ToolError(f"unknown code {code!r}")
-    return "France"
-
-@server.tool()
-async def slow(seconds: float) -> str:
-    '''Sleeps.'''
-    if "MCP_STARTED" in os.environ:
-        open(os.environ["MCP_STARTED"], "w").close()
-    await asyncio.sleep(seconds)
-    return "slept"
-
-@server.tool(annotations=ToolAnnotations(read_only_hint=True))
-def write_note(text: str) -> str:
-    '''Appends a note, though it hints that it only reads.'''
-    with open(os.environ.get("MCP_NOTES", "notes.txt"), "a") as notes:
-        notes.write(text)
-    return "ok"
-
-if "MCP_PIDFILE" in os.environ:
-    with open(os.environ["MCP_PIDFILE"], "w") as pidfile:
-        pidfile.write(str(os.getpid()))
-server.run()
-"""
-
 
 class McpServerTests(RuntimeTestCase):
     """PART 11: a real MCP server over stdio under the runtime; skipped, saying why, without the official mcp package."""
@@ -5045,7 +4559,7 @@ class McpServerTests(RuntimeTestCase):
         folder = tempfile.mkdtemp()
         self.addCleanup(shutil.rmtree, folder)
         self.files = {name: os.path.join(folder, name) for name in ("MCP_PIDFILE", "MCP_STARTED", "MCP_NOTES")}
-        self.server = StdioServerParameters(command=sys.executable, args=["-c", MCP_SERVER], env=self.files)
+        self.server = StdioServerParameters(command=sys.executable, args=child_command("mcp_server")[1:], env=self.files)
         self.log = open(os.path.join(folder, "server.log"), "w")  # what the server says on stderr stays out of ours
         self.addCleanup(self.log.close)
 
@@ -5083,7 +4597,7 @@ class McpServerTests(RuntimeTestCase):
         (example,) = code_blocks(readme_section("Tools from an MCP server"), "python")
         folder = os.path.dirname(self.files["MCP_NOTES"])
         with open(os.path.join(folder, "your_server.py"), "w") as server:
-            server.write(MCP_SERVER)
+            server.write(f"import sys\nsys.path.insert(0, {HERE!r})\nimport test_agent_loop\ntest_agent_loop.mcp_server()\n")
         namespace = {}
         exec(compile(example, "README.md", "exec"), namespace)
         model = scripted(calls(call("x", "lookup", code="XX")), calls(call("f", "lookup", code="FR")), final("France"))
@@ -5115,545 +4629,10 @@ class McpServerTests(RuntimeTestCase):
             self.assertEqual(result["trace"][-1]["error_type"], "MCPError")
 
 
-# PART 12: see a run: its decisions and calls drawn on a time axis
-
-def bars(drawing, label=30):
-    """{lane label: (first column, last column, outcome)} of a text drawing's calls ('.' for one that never ran)."""
-    found = {}
-    for line in drawing.splitlines():
-        if line.startswith("  ") and line[:label].strip() and not line.startswith("  model"):
-            row, outcome = line[label:].rsplit(" ", 1)
-            marks = [index for index, char in enumerate(row) if char in "=."]
-            found[line[:label].strip()] = (marks[0], marks[-1], outcome)
-    return found
-
-
-def columns(text):
-    """How many terminal columns text takes: two for a wide or fullwidth character, none for a combining mark."""
-    return sum(0 if unicodedata.combining(char) else 2 if unicodedata.east_asian_width(char) in "WF" else 1
-               for char in text)
-
-
-READ = {"type": "object", "properties": {"sku": {"type": "string"}}, "required": ["sku"], "additionalProperties": False}
-
-
-class TimelineTests(RuntimeTestCase):
-    """PART 12: a run drawn on a time axis: lanes, bars and outcomes, the SVG, and the drawings of the command line."""
-
-    async def drawn(self, fixtures, **options):
-        timeline = agent_loop.Timeline()
-        result = await run_agent(timeline.model(options.pop("model", fake_model)), fixtures=timeline.tools(fixtures),
-                                 on_event=timeline.event, **options)
-        return timeline, result
-
-    async def test_the_recorder_changes_nothing_of_the_run(self):
-        plain = await run_agent(fixtures=Fixtures(failures={"north": ["temporary"]}), limits=ROOMY)
-        _, drawn = await self.drawn(Fixtures(failures={"north": ["temporary"]}), limits=ROOMY)
-        self.assertEqual({key: drawn[key] for key in ("status", "answer", "used", "history", "trace")},
-                         {key: plain[key] for key in ("status", "answer", "used", "history", "trace")})
-
-    async def test_lanes_come_in_request_order_and_a_parallel_batch_overlaps(self):
-        timeline, result = await self.drawn(Fixtures(delays={"north": 0.05, "south": 0.01}), limits=ROOMY)
-        drawing = timeline.text(result, width=100)
-        lanes = bars(drawing)
-        self.assertEqual(list(lanes), ["r1-north read_partition", "r1-south read_partition", "r2-plan compute_plan"])
-        north, south = lanes["r1-north read_partition"], lanes["r1-south read_partition"]
-        self.assertLess(south[0], north[1])  # side by side: south began before north ended
-        self.assertEqual([lane[2] for lane in lanes.values()], ["ok", "ok", "ok"])
-        self.assertTrue(all(len(line) <= 100 for line in drawing.splitlines()))
-
-    async def test_a_serial_batch_does_not_overlap(self):
-        registry = {**TOOLS, "read_partition": dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)}
-        timeline, result = await self.drawn(Fixtures(delays={"north": 0.05, "south": 0.05}), registry=registry, limits=ROOMY)
-        lanes = bars(timeline.text(result))
-        north, south = lanes["r1-north read_partition"], lanes["r1-south read_partition"]
-        self.assertGreaterEqual(south[0], north[1])  # one after the other
-        self.assertLess(north[0], south[0])
-
-    async def test_each_bar_ends_with_its_outcome_and_the_limits_that_acted_are_marked(self):
-        cases = [  # (scenario, outcomes of its calls in request order, the mark of the limit that acted)
-            ("deadline", ["tool_timeout", "tool_timeout"], "^ deadline"),
-            ("cancelled", ["cancelled", "cancelled"], "^ cancel"),
-            ("permission_denied", ["permission_denied", "batch_aborted"], None),
-            ("repeat_limit", ["temporary", "ok", "temporary"], None),
-        ]
-        for name, outcomes, mark in cases:
-            with self.subTest(name=name):
-                timeline = agent_loop.Timeline()
-                result, _ = await agent_loop.run_scenario(name, timeline=timeline)
-                drawing = timeline.text(result)
-                self.assertEqual([lane[2] for lane in bars(drawing).values()], outcomes)
-                self.assertEqual([line.strip() for line in drawing.splitlines() if line.strip().startswith("^")],
-                                 [mark] if mark else [])
-                self.assertTrue(drawing.splitlines()[-1].startswith(f"{name}: "))
-        timeline, result = await self.drawn(Fixtures(failures={"north": ["timeout"]}),
-                                            limits=dataclasses.replace(ROOMY, tool_seconds=0.1))
-        self.assertIn("^ tool_seconds", timeline.text(result))
-        self.assertEqual(result["status"], "completed")
-
-    async def test_the_svg_is_a_document_with_one_bar_per_call_and_its_limit_lines(self):
-        for name, limits in (("deadline", 1), ("permission_denied", 0), ("completed", 0)):
-            with self.subTest(name=name):
-                timeline = agent_loop.Timeline()
-                result, _ = await agent_loop.run_scenario(name, timeline=timeline)
-                root = xml.etree.ElementTree.fromstring(timeline.svg(result).split("\n", 1)[1])
-                svg = "{http://www.w3.org/2000/svg}"
-                self.assertEqual(root.tag, f"{svg}svg")
-                self.assertEqual(len([r for r in root.iter(f"{svg}rect") if r.get("class") == "call"]),
-                                 len(observations(result)))
-                self.assertEqual(len([r for r in root.iter(f"{svg}rect") if r.get("class") == "decision"]),
-                                 result["used"]["rounds"])
-                self.assertEqual(len([line for line in root.iter(f"{svg}line") if line.get("class") == "limit"]), limits)
-
-    async def test_every_scenario_draws(self):
-        for name in STATUSES:
-            with self.subTest(name=name):
-                timeline = agent_loop.Timeline()
-                result, _ = await agent_loop.run_scenario(name, timeline=timeline)
-                self.assertEqual(result["status"], name)
-                self.assertTrue(timeline.text(result).splitlines()[-1].startswith(f"{name}: "))
-                xml.etree.ElementTree.fromstring(timeline.svg(result).split("\n", 1)[1])
-
-    async def test_a_call_id_with_control_characters_draws_safely(self):
-        timeline = agent_loop.Timeline()
-        model = scripted(calls(call("a\x01\n\x1b[31mred", partition="north")))
-        result = await run_agent(timeline.model(model), fixtures=timeline.tools(Fixtures()), on_event=timeline.event,
-                                 limits=dataclasses.replace(ROOMY, rounds=1))
-        drawing = timeline.text(result)
-        self.assertFalse([char for char in drawing if not char.isprintable() and char != "\n"])
-        xml.etree.ElementTree.fromstring(timeline.svg(result).split("\n", 1)[1])
-
-    def test_a_file_the_svg_cannot_go_to_is_refused_before_the_run(self):
-        for done in run_commands(("demo", "--svg", os.path.join(HERE, "no such folder", "demo.svg")),
-                                 ("demo", "--svg", "")):
-            self.assertEqual((done.returncode, done.stdout), (2, ""))
-            self.assertIn("can't open", done.stderr)
-            self.assertNotIn("Traceback", done.stderr)
-
-    def test_a_command_started_with_its_output_closed_says_so_in_one_line(self):
-        flags = "-O" if sys.flags.optimize else ""
-        command = f'"{sys.executable}" {flags} "{os.path.join(HERE, "agent_loop.py")}" demo >&-'
-        done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=120, check=False)
-        self.assertEqual((done.returncode, done.stderr), (1, "agent_loop.py: error: cannot write the output: "
-                                                             "no standard output\n"))
-
-    async def test_every_scenario_draws_but_those_that_resume_a_run_which_are_refused_before_a_file_is_touched(self):
-        undrawn = [name for name, _, how in agent_loop.ATLAS if how.get("drawn") is False]
-        self.assertEqual(undrawn, ["superseded", "resumed", "approval_expired"])
-        for name in [name for name, _, _ in agent_loop.ATLAS if name not in STATUSES]:  # (those: just above)
-            with self.subTest(name=name):
-                timeline = agent_loop.Timeline()
-                with contextlib.redirect_stdout(io.StringIO()):
-                    result, _ = await agent_loop.run_scenario(name, timeline=timeline)
-                if name in undrawn:
-                    self.assertRaises(ValueError, timeline.text, result)  # (so the flag says what is so)
-                else:
-                    self.assertIn(f"{result['status']}: ", timeline.text(result))
-        with tempfile.TemporaryDirectory() as folder:
-            path = os.path.join(folder, "kept.svg")
-            with open(path, "w", encoding="utf-8") as file:
-                file.write("kept")
-            for done in run_commands(*[("scenarios", name, "--svg", path) for name in undrawn]):
-                self.assertEqual((done.returncode, done.stdout), (2, ""))
-                self.assertIn("a Timeline draws a run it recorded whole", done.stderr)
-            with open(path, encoding="utf-8") as file:
-                self.assertEqual(file.read(), "kept")
-
-    async def test_the_readmes_drawings_are_those_of_the_runs_they_name(self):
-        drawings = [block for block in re.findall(r"```\n(.*?)```", readme_section("See a run on a time axis"), re.S)
-                    if "round 1" in block]
-        self.assertEqual(len(drawings), 1)
-        retry = agent_loop.Timeline()
-        fixtures = Fixtures(failures={"north": ["temporary"]})
-        result = await run_agent(retry.model(fake_model), fixtures=retry.tools(fixtures), on_event=retry.event)
-        fresh = [retry.text(result)]
-        for shown, drawn in zip(drawings, fresh):
-            with self.subTest(drawing=drawn.splitlines()[-1]):
-                self.assertEqual({lane: outcome for lane, (*_, outcome) in bars(shown).items()},
-                                 {lane: outcome for lane, (*_, outcome) in bars(drawn).items()})
-                self.assertEqual([line.strip() for line in shown.splitlines() if line.strip().startswith(("round", "^"))],
-                                 [line.strip() for line in drawn.splitlines() if line.strip().startswith(("round", "^"))])
-                self.assertEqual(shown.splitlines()[-1].split(":")[0], drawn.splitlines()[-1].split(":")[0])
-                self.assertEqual([len(line) for line in shown.splitlines()[:2]],  # the scale, as wide as it is drawn
-                                 [len(line) for line in drawn.splitlines()[:2]])
-
-    def test_the_demo_draws_only_when_asked_and_prints_the_same_bytes_besides(self):
-        drawn = run_command("demo", "--timeline")
-        self.assertEqual((drawn.returncode, drawn.stderr), (0, ""))
-        normal, retry = DEMO_TRANSCRIPT.split("retry completed")
-        self.assertTrue(drawn.stdout.startswith(normal))
-        self.assertIn("retry completed" + retry, drawn.stdout)
-        self.assertEqual(drawn.stdout.count("completed: "), 2)  # one drawing after each run
-        with tempfile.TemporaryDirectory() as folder:
-            path = os.path.join(folder, "demo.svg")
-            done = run_command("demo", "--svg", path)
-            self.assertEqual(done.stdout, DEMO_TRANSCRIPT)  # the drawing went to the file instead
-            with open(path, encoding="utf-8") as file:
-                xml.etree.ElementTree.fromstring(file.read().split("\n", 1)[1])
-        refused = run_command("scenarios", "--timeline")
-        self.assertEqual(refused.returncode, 2)
-        self.assertIn("give its NAME", refused.stderr)
-
-    def test_the_command_line_refuses_a_mix_before_it_touches_a_file(self):
-        with tempfile.TemporaryDirectory() as folder:
-            path = os.path.join(folder, "kept.svg")
-            with open(path, "w", encoding="utf-8") as file:
-                file.write("kept")
-            for argv, says in ((("scenarios", "--json", "--svg", path), "give its NAME"),
-                               (("scenarios", "deadline", "--json"), "give no NAME"),
-                               (("scenarios", "deadline", "--json", "--svg", path), "give no NAME")):
-                with self.subTest(argv=argv):
-                    done = run_command(*argv)
-                    self.assertEqual((done.returncode, done.stdout), (2, ""))
-                    self.assertIn(says, done.stderr)
-                    with open(path, encoding="utf-8") as file:
-                        self.assertEqual(file.read(), "kept")
-            done = run_command("scenarios", "deadline", "--svg", path)
-            self.assertEqual(done.returncode, 0)
-            with open(path, encoding="utf-8") as file:
-                self.assertTrue(file.read().startswith("<?xml"))
-
-    @unittest.skipUnless(os.path.exists("/dev/full"), "needs /dev/full, a file that refuses every write")
-    def test_a_drawing_that_cannot_be_written_is_an_error_line_not_a_traceback(self):
-        for argv in (("demo", "--svg", "/dev/full"), ("scenarios", "cancelled", "--svg", "/dev/full")):
-            with self.subTest(argv=argv):
-                done = run_command(*argv)
-                self.assertEqual(done.returncode, 1)
-                self.assertNotIn("Traceback", done.stderr)
-                self.assertIn("No space left on device", done.stderr)
-
-    async def test_every_outcome_starts_in_one_terminal_column_whatever_the_labels(self):
-        async def read_stock(sku):
-            await asyncio.sleep(0.01)
-            return {"sku": sku, "stock": 4}
-
-        long_id = "长" * 40
-        ids = ["北-1", "南-1", long_id, "cafe\u0301"]  # wide characters, a label too long, a combining accent
-        registry = {"读取库存": ToolSpec(1, True, True, parameters=READ)}
-        model = scripted(calls(*[call(cid, "读取库存", sku=str(n)) for n, cid in enumerate(ids)]), final("done"))
-        timeline = agent_loop.Timeline()
-        tools = timeline.tools(agent_loop.FunctionTools({"读取库存": read_stock}))
-        result = await run_agent(timeline.model(model), fixtures=tools, registry=registry, accept=any_answer,
-                                 on_event=timeline.event, limits=ROOMY)
-        self.assertEqual(result["status"], "completed")
-        drawing = timeline.text(result, width=100)
-        lanes = [line for line in drawing.splitlines() if line.startswith("  ") and line[2] != " "]
-        self.assertEqual(len(lanes), 2 + len(ids))  # two decisions and four calls
-        starts = {columns(line.rsplit(" ", 1)[0]) + 1 for line in lanes}  # the column where the outcome begins
-        self.assertEqual(len(starts), 1, drawing)
-        self.assertTrue(all(columns(line) <= 100 for line in drawing.splitlines()))
-        (cut,) = [line for line in lanes if "..." in line]
-        label = cut[2:cut.index("...") + 3]
-        self.assertEqual((label, columns(label)), ("长" * 12 + "...", 27))  # at most 30 - 3 columns
-        (accented,) = [line for line in lanes if "cafe" in line]
-        self.assertTrue(accented.startswith("  cafe\u0301 读取库存" + " " * (28 - 13)))
-
-class TimelineRecorderTests(RuntimeTestCase):
-    """PART 12: a Timeline records a run without changing it, draws only a run it saw whole, and marks only limits that cut."""
-
-    async def test_a_timeline_that_recorded_another_runs_calls_or_decisions_draws_neither(self):
-        for why in ("calls", "decisions"):
-            with self.subTest(why=why):
-                timeline = agent_loop.Timeline()
-                if why == "calls":  # an earlier run through its tools only
-                    await run_agent(fixtures=timeline.tools(Fixtures()), limits=ROOMY)
-                    result = await run_agent(timeline.model(fake_model), fixtures=Fixtures(), on_event=timeline.event,
-                                             limits=ROOMY)
-                else:  # an earlier run through its model only
-                    await run_agent(timeline.model(fake_model), limits=ROOMY)
-                    result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures()),
-                                             on_event=timeline.event, limits=ROOMY)
-                for draw in (timeline.text, timeline.svg):
-                    with self.assertRaises(ValueError):
-                        draw(result)
-
-    async def drawn(self, timeline, fixtures, model=fake_model, **options):
-        return await run_agent(timeline.model(model), fixtures=timeline.tools(fixtures), on_event=timeline.event,
-                               **{"limits": ROOMY, **options})
-
-    async def test_a_timeline_keeps_every_refusal_and_draws_only_the_one_run_it_saw_whole(self):
-        def plain_model(history):  # not async: a model_exception, drawn or not
-            return final(PLAN)
-
-        for wrap in (False, True):
-            timeline = agent_loop.Timeline()
-            model = timeline.model(plain_model) if wrap else plain_model
-            self.assertEqual((await run_agent(model, limits=ROOMY))["status"], "model_exception")
-        timeline = agent_loop.Timeline()
-        tools = timeline.tools(agent_loop.FunctionTools({"get_rate": RateDesk().get_rate}))
-        await self.assertRefusedBeforeTheModelIsAsked("convert: FunctionTools has no function for it", fixtures=tools,
-                                                      registry=CONVERSION_TOOLS, accept=conversion_accepted)
-        # A Timeline is for one run: another run, or a model wrapped twice, is refused, not drawn wrong.
-        timeline = agent_loop.Timeline()
-        for _ in range(2):
-            result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures()),
-                                     on_event=timeline.event, limits=ROOMY)
-        with self.assertRaises(ValueError):
-            timeline.text(result)
-        timeline = agent_loop.Timeline()
-        result = await run_agent(timeline.model(fake_model), on_event=timeline.event, limits=ROOMY)
-        with self.assertRaises(ValueError):  # its calls ran, but were not recorded
-            timeline.text(result)
-        timeline, cancel = agent_loop.Timeline(), asyncio.Event()
-        cancel.set()
-        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures()), cancel=cancel,
-                                 on_event=timeline.event, limits=ROOMY)
-        self.assertEqual(timeline.text(result), "cancelled: no decision was asked\n")
-        for width in (10, 100.0):
-            with self.assertRaises(ValueError):
-                timeline.text(result, width=width)
-
-    async def test_each_limit_is_marked_where_it_acted_and_only_there(self):
-        # A serial batch: north is cut by tool_seconds, south then by the run's deadline.
-        registry = {**TOOLS, "read_partition": dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)}
-        limits = Limits(tool_seconds=0.2, model_seconds=5, total_seconds=0.35)
-        timeline = agent_loop.Timeline(limits)
-        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures(delays={"north": 30,
-                                 "south": 30})), registry=registry, on_event=timeline.event, limits=limits)
-        marks = [line.strip() for line in timeline.text(result).splitlines() if line.strip().startswith("^")]
-        self.assertEqual((result["status"], marks), ("deadline", ["^ tool_seconds", "^ deadline"]))
-
-        class OwnTimeout(Fixtures):  # a tool's own TimeoutError, long before its limit: no limit acted
-            async def invoke(self, call):
-                await super().invoke(call)
-                raise TimeoutError()
-
-        limits = dataclasses.replace(ROOMY, rounds=1)
-        timeline = agent_loop.Timeline()
-        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(OwnTimeout(delays={})),
-                                 on_event=timeline.event, limits=limits)
-        self.assertEqual(errors(result), ["tool_timeout", "tool_timeout"])
-        self.assertNotIn("^", timeline.text(result))
-
-    async def test_a_tool_that_edits_its_own_call_changes_nothing_under_a_timeline(self):
-        for edit in ("delete", "rename"):
-            class Editing(Fixtures):
-                async def invoke(self, call):
-                    data = await super().invoke(call)
-                    if edit == "delete":
-                        del call["call_id"]
-                    else:
-                        call["call_id"] = "elsewhere"
-                    return data
-
-            with self.subTest(edit=edit):
-                timeline = agent_loop.Timeline()
-                result = await self.drawn(timeline, Editing(delays={}))
-                self.assertEqual(result["status"], "completed")
-                self.assertIn("r1-north", timeline.text(result))
-
-    async def test_a_run_the_timeline_did_not_record_whole_is_a_value_error(self):
-        both_fail = {"failures": {"north": ["bug"], "south": ["bug"]}, "delays": {}}
-        unwrapped_tools = agent_loop.Timeline()
-        result = await run_agent(unwrapped_tools.model(fake_model), fixtures=Fixtures(**both_fail),
-                                 on_event=unwrapped_tools.event, limits=ROOMY)
-        no_events = agent_loop.Timeline()
-        result_without_events = await run_agent(no_events.model(fake_model), fixtures=no_events.tools(Fixtures()),
-                                                limits=ROOMY)
-        twice = agent_loop.Timeline()
-        for _ in range(2):
-            second = await run_agent(fake_model, fixtures=twice.tools(Fixtures(delays={})), on_event=twice.event,
-                                     limits=ROOMY)
-        for timeline, run, says in ((unwrapped_tools, result, "calls ran that were not recorded"),
-                                    (no_events, result_without_events, "did not see this run's events"),
-                                    (twice, second, "did not see this run's events")):
-            with self.subTest(says=says), self.assertRaises(ValueError) as raised:
-                timeline.text(run)
-            self.assertIn(says, str(raised.exception))
-
-    async def test_a_round_paid_but_stopped_before_its_model_was_asked_still_draws(self):
-        copy_of = agent_loop._copy
-
-        def slow_second_view(value, instead=None):  # the deadline passes while round 2's history is copied
-            if type(value) is list and len(value) == 1:
-                time.sleep(1.5)
-            return copy_of(value, instead)
-
-        self.allowBlockingSteps()
-        timeline = agent_loop.Timeline()
-        with unittest.mock.patch.object(agent_loop, "_copy", slow_second_view):
-            result = await self.drawn(timeline, Fixtures(delays={}), limits=Limits(5, 5, 30, 2, 5, 5, 1.0))
-        self.assertEqual((result["status"], result["used"]["rounds"], len(timeline.decisions)), ("deadline", 2, 1))
-        self.assertIn("deadline", timeline.text(result))
-
-    async def test_a_tools_own_timeout_marks_nothing_and_a_cut_one_marks_its_limit(self):
-        class OwnTimeout(Fixtures):
-            async def invoke(self, call):
-                await super().invoke(call)
-                raise TimeoutError()
-
-        timeline = agent_loop.Timeline()
-        result = await self.drawn(timeline, OwnTimeout(delays={}), limits=dataclasses.replace(ROOMY, rounds=1))
-        self.assertEqual(errors(result), ["tool_timeout", "tool_timeout"])
-        self.assertEqual(timeline.cut, set())
-        self.assertNotIn("^", timeline.text(result))
-        timeline = agent_loop.Timeline()
-        result = await self.drawn(timeline, Fixtures(delays={"north": 30, "south": 0}),
-                                  limits=Limits(rounds=1, tool_seconds=0.1, model_seconds=5, total_seconds=30))
-        self.assertEqual((errors(result), timeline.cut), (["tool_timeout"], {"r1-north"}))
-        self.assertIn("^ tool_seconds", timeline.text(result))
-
-    async def test_a_call_the_deadline_cut_is_marked_deadline_even_when_the_run_stopped_later(self):
-        def slow_watcher(event):  # holds the loop after the batch: the stop comes well after the cut
-            if event["event"] == "observations":
-                time.sleep(0.3)
-
-        self.allowBlockingSteps()
-        limits = Limits(tool_seconds=5, model_seconds=5, total_seconds=0.3)
-        timeline = agent_loop.Timeline(limits)
-        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures(delays={"north": 30,
-                                 "south": 30})), on_event=timeline.watching(slow_watcher), limits=limits)
-        marks = [line.strip() for line in timeline.text(result).splitlines() if line.strip().startswith("^")]
-        self.assertEqual((result["status"], errors(result), marks),
-                         ("deadline", ["tool_timeout", "tool_timeout"], ["^ deadline"]))
-
-    async def test_the_timelines_wrappers_refuse_what_run_agent_refuses(self):
-        class Model:
-            async def __call__(self, history):
-                return await fake_model(history)
-
-        timeline = agent_loop.Timeline()
-        for wrap, thing, message in ((timeline.model, Model, "model must be an async function of history"),
-                                     (timeline.model, None, "model must be an async function of history"),
-                                     (timeline.tools, object(), "fixtures must be an object with an async invoke(call) method"),
-                                     (timeline.tools, Fixtures, "fixtures must be an object with an async invoke(call) method"),
-                                     (timeline.watching, dict, "on_event must be a function or None")):
-            with self.subTest(thing=thing), self.assertRaises(ValueError) as raised:
-                wrap(thing)
-            self.assertEqual(str(raised.exception), message)
-
-    async def test_watching_hands_each_event_to_an_async_watcher_too(self):
-        seen = []
-
-        async def watcher(event):
-            await asyncio.sleep(0)
-            seen.append(event)
-
-        timeline = agent_loop.Timeline()
-        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures(delays={})),
-                                 on_event=timeline.watching(watcher), limits=ROOMY)
-        self.assertEqual(seen, result["trace"])
-        timeline.text(result)
-
-
-# The README's examples, and the result-ownership experiment (result_ownership.py, verify_ownership.py,
-# expected.json)
-
-    async def test_a_run_recorded_in_part_is_a_value_error_for_every_drawing(self):
-        cases = [  # (what was left out, run_agent's arguments given a agent_loop.Timeline, the message)
-            ("timeline.model", lambda t: {"model": fake_model, "fixtures": t.tools(retrying()), "on_event": t.event},
-             "decisions were asked that this Timeline did not record: give run_agent timeline.model(model)"),
-            ("timeline.tools", lambda t: {"model": t.model(fake_model), "fixtures": retrying(), "on_event": t.event},
-             "calls ran that were not recorded: give run_agent fixtures=timeline.tools(...)"),
-            ("on_event", lambda t: {"model": t.model(fake_model), "fixtures": t.tools(retrying())},
-             "this Timeline did not see this run's events, or saw another run's too: give run_agent "
-             "on_event=timeline.event, one Timeline per run"),
-        ]
-        for left_out, arguments, message in cases:
-            timeline = agent_loop.Timeline()
-            result = await run_agent(**arguments(timeline), limits=ROOMY)
-            self.assertEqual((result["status"], result["used"]["rounds"]), ("completed", 4))
-            for draw in (timeline.lanes, timeline.text, timeline.svg):
-                with self.subTest(left_out=left_out, draw=draw.__name__):
-                    with self.assertRaises(ValueError) as raised:
-                        draw(result)
-                    self.assertEqual(str(raised.exception), message)
-
-    async def test_one_timeline_for_two_runs_draws_neither(self):
-        timeline = agent_loop.Timeline()
-        results = [await run_agent(timeline.model(fake_model), fixtures=timeline.tools(retrying()),
-                                   on_event=timeline.event, limits=ROOMY) for _ in range(2)]
-        for number, result in enumerate(results, 1):
-            for draw in (timeline.text, timeline.svg):
-                with self.subTest(run=number, draw=draw.__name__), self.assertRaises(ValueError):
-                    draw(result)
-
-    async def test_a_run_recorded_whole_draws_every_round(self):
-        timeline = agent_loop.Timeline()
-        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(retrying()),
-                                 on_event=timeline.event, limits=ROOMY)
-        drawing = timeline.text(result)
-        self.assertEqual([line for line in drawing.splitlines() if line.startswith("round")],
-                         ["round 1", "round 2", "round 3", "round 4"])
-        self.assertEqual(drawing.count("  model "), 4)
-
-    async def test_a_watcher_that_edits_its_events_changes_neither_the_record_nor_the_drawing(self):
-        def meddle(event):
-            seen.append(event)
-            event["event"] = "edited"
-            event.pop("round", None)
-
-        async def meddle_async(event):
-            meddle(event)
-
-        for watcher in (meddle, meddle_async):
-            with self.subTest(watcher=watcher.__name__):
-                seen, timeline = [], agent_loop.Timeline()
-                result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(retrying()),
-                                         on_event=timeline.watching(watcher), limits=ROOMY)
-                self.assertEqual(len(seen), len(result["trace"]))  # the watcher saw every event
-                self.assertEqual([event for _, event in timeline.events], result["trace"])
-                self.assertTrue(timeline.text(result).splitlines()[-1].startswith("completed: "))
-# PART 13: a named run saved in SQLite, resumed after a crash with nothing refunded. A crash is a real one: a child
-# process killed with SIGKILL while a tool runs, or while the model decides; a new process resumes the run.
-
-CRASHING_RUN = """
-import asyncio, json, os, sys, time
-sys.path.insert(0, {here!r})
-import agent_loop
-
-path, run_id, crash, log = sys.argv[1:5]
-
-
-class Logged(agent_loop.Fixtures):
-    async def invoke(self, call):
-        with open(log, "a") as file:  # every start, in every process: what ran, and how often
-            file.write(call["call_id"] + "\\n")
-        if crash == "tool" and call["call_id"] == "r1-north":
-            while "r1-south" not in open(log).read().split():  # both reads have started: south runs, north hangs
-                await asyncio.sleep(0.001)
-            open(log + ".ready", "w").close()
-            await asyncio.sleep(600)  # the parent kills us here
-        return await super().invoke(call)
-
-
-async def model(history):
-    if crash == "model" and len(history) == 1:
-        open(log + ".ready", "w").close()
-        await asyncio.sleep(600)  # the parent kills us while the second decision is being made
-    return await agent_loop.fake_model(history)
-
-
-async def main():
-    with agent_loop.SqliteStore(path) as store:
-        result = await agent_loop.run_agent(model, store=store, run_id=run_id, fixtures=Logged(delays={{}}),
-                                            limits=agent_loop.Limits(tool_seconds=600, model_seconds=600,
-                                                                     total_seconds=600, calls=8, credits=40))
-    print(json.dumps(result))
-
-
-asyncio.run(main())
-"""
-
-
-def run_in_a_process(script, *args, kill_when=None):
-    """Run script in a Python of its own: to its end (its printed JSON), or SIGKILLed once kill_when exists."""
-    flags = ["-O"] if sys.flags.optimize else []
-    process = subprocess.Popen([sys.executable, *flags, "-c", script, *args], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    if kill_when is None:
-        out, err = process.communicate(timeout=120)
-        if process.returncode != 0:
-            raise AssertionError(err)
-        return json.loads(out)
-    deadline = time.monotonic() + 60
-    while not os.path.exists(kill_when) and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    process.kill()  # SIGKILL: nothing of the runtime runs after this, not even a finally
-    process.communicate(timeout=60)
-    if not os.path.exists(kill_when):
-        raise AssertionError("the crash never came")
-    return None
+# PART 10: a named run saved in SQLite, resumed after a crash with nothing refunded. A crash is a real one: a child
+# process killed with SIGKILL while a tool runs, or while the model decides; a new process resumes the run. And tools
+# that write: a write is approved before it starts, keyed so that it never applies twice, and an unknown outcome is
+# reconciled; the crash test kills a child process after its order applied.
 
 
 class StoreTestCase(RuntimeTestCase):
@@ -5683,6 +4662,25 @@ class SavedRunTests(StoreTestCase):
         plain = await run_agent(limits=ROOMY)  # without a store nothing changes: the same run, no run_id
         self.assertEqual(plain, {key: value for key, value in first.items() if key != "run_id"} | {
             "trace": [{key: value for key, value in event.items() if key != "run_id"} for event in first["trace"]]})
+
+    async def test_a_run_without_a_store_meets_no_journal_and_one_with_a_store_meets_its_seams(self):
+        seen = collections.Counter()
+        real = {name: getattr(agent_loop._Journal, name) for name in ("resume", "spent", "gate", "end")}
+
+        def spy(name):
+            async def seam(journal, run, *args):
+                seen[name] += 1
+                return await real[name](journal, run, *args)
+            return seam
+
+        with unittest.mock.patch.multiple(agent_loop._Journal, **{name: spy(name) for name in real}):
+            plain = await run_agent(limits=ROOMY)
+            self.assertEqual((plain["status"], sum(seen.values())), ("completed", 0))  # the core ran it all itself
+            named = await run_agent(store=self.store(), run_id="job", limits=ROOMY)
+        self.assertEqual(named["status"], "completed")
+        # Once to resume, a save per step that spends (3 decisions paid, 2 batches admitted, 1 serial call, 2 batches
+        # observed), the gate before each batch, the end.
+        self.assertEqual(seen, {"resume": 1, "spent": 8, "gate": 2, "end": 1})
 
     async def test_a_store_needs_a_run_id_of_1_to_80_printable_characters_refused_before_the_model_is_asked(self):
         store = self.store()
@@ -5773,7 +4771,9 @@ class SavedRunTests(StoreTestCase):
 
         store = Counting(":memory:")
         self.addCleanup(store.close)
-        model = agent_loop._batches("tick", 1)
+        async def model(history):  # one call a round, with a fresh id, for as long as the rounds last
+            return calls(call(f"t{len(history)}", "tick", n=len(history)))
+
         registry = {"tick": ToolSpec(0, True, True, validate=lambda args: True)}
         tools = agent_loop.FunctionTools({"tick": lambda n: {"n": n}})
         result = await run_agent(model, store=store, run_id="long", fixtures=tools, registry=registry,
@@ -5863,11 +4863,10 @@ class SavedRunTests(StoreTestCase):
     def test_a_run_killed_while_a_tool_runs_resumes_in_a_new_process_with_nothing_refunded(self):
         folder = self.folder()
         path, log = os.path.join(folder, "runs.db"), os.path.join(folder, "started.log")
-        script = CRASHING_RUN.format(here=HERE)
-        run_in_a_process(script, path, "job", "tool", log, kill_when=log + ".ready")
+        run_in_a_process("crashing_run", path, "job", "tool", log, kill_when=log + ".ready")
         with agent_loop.SqliteStore(path) as store:
             self.assertEqual(store.unfinished(), ["job"])
-        result = run_in_a_process(script, path, "job", "none", log)
+        result = run_in_a_process("crashing_run", path, "job", "none", log)
         self.assertEqual(result["status"], "completed")
         self.assertEqual([event["event"] for event in result["trace"]][:4], ["decision", "resumed", "observations", "decision"])
         self.assertEqual(result["trace"][1], {"event": "resumed", "round": 1, "rounds": 1, "calls": 0, "credits": 3})
@@ -5884,9 +4883,8 @@ class SavedRunTests(StoreTestCase):
     def test_a_run_killed_while_the_model_decides_keeps_that_decision_paid(self):
         folder = self.folder()
         path, log = os.path.join(folder, "runs.db"), os.path.join(folder, "started.log")
-        script = CRASHING_RUN.format(here=HERE)
-        run_in_a_process(script, path, "job", "model", log, kill_when=log + ".ready")
-        result = run_in_a_process(script, path, "job", "none", log)
+        run_in_a_process("crashing_run", path, "job", "model", log, kill_when=log + ".ready")
+        result = run_in_a_process("crashing_run", path, "job", "none", log)
         self.assertEqual((result["status"], result["used"]), ("completed", {"rounds": 4, "calls": 3, "credits": 20}))
         self.assertEqual(result["trace"][2], {"event": "resumed", "round": 2, "rounds": 2, "calls": 2, "credits": 10})
         self.assertEqual([record["round"] for record in result["history"]], [1, 3])  # round 2 was paid, never decided
@@ -5914,24 +4912,6 @@ class SavedRunTests(StoreTestCase):
                     source.backup(target)
                 result = await run_agent(model, store=self.store(copy_path), run_id="job", limits=limits)
                 self.assertEqual((result["status"], result["used"]), (status, {"rounds": 3, "calls": 2, "credits": 13}))
-
-    async def test_the_atlas_shows_a_takeover_a_full_disk_and_a_crash_resumed(self):
-        expected = {  # name: (status, used, observation errors)
-            "superseded": ("superseded", {"rounds": 1, "calls": 2, "credits": 7}, []),
-            "store_failed": ("store_failed", {"rounds": 1, "calls": 0, "credits": 3}, []),
-            "resumed": ("completed", {"rounds": 4, "calls": 5, "credits": 24}, ["interrupted", "interrupted"]),
-        }
-        for name, (status, used, errors_seen) in expected.items():
-            with self.subTest(name=name):
-                result, fixtures = await agent_loop.run_scenario(name)
-                self.assertEqual((result["status"], result["used"], errors(result)), (status, used, errors_seen))
-                self.assertEqual(fixtures.active, 0)
-
-    async def test_the_bench_measures_the_stores_cost_per_round_at_each_length(self):
-        figures = await agent_loop._store_cost(quick=True)
-        self.assertEqual(list(figures), ["10", "100"])
-        for spread in figures.values():  # a time, not a speed: positive and finite, in order
-            self.assertTrue(0 < spread["min"] <= spread["median"] <= spread["max"] < math.inf, spread)
 
     async def test_a_round_that_stopped_the_run_stops_it_again_when_its_end_was_not_saved(self):
         path = os.path.join(self.folder(), "runs.db")
@@ -6224,55 +5204,6 @@ def store_result(store, run_id):
             "history": saved["history"], "trace": saved["trace"], "run_id": run_id}
 
 
-
-# PART 14: tools that write. A write is approved before it starts, keyed so that it never applies twice, and an
-# unknown outcome is reconciled; the crash test kills a child process after its order applied.
-
-WRITING_RUN = """
-import asyncio, json, sqlite3, sys
-sys.path.insert(0, {here!r})
-import agent_loop
-
-store_path, service, ready, crash = sys.argv[1:5]
-
-
-class Service:  # an order service of its own, in a file: every effect of a key is a row
-    def __init__(self):
-        self.db = sqlite3.connect(service, isolation_level=None)
-        self.db.execute("CREATE TABLE IF NOT EXISTS effects (key TEXT, items TEXT)")
-        self.db.execute("CREATE TABLE IF NOT EXISTS asked (key TEXT)")
-
-
-class Desk(agent_loop.OrderDesk):
-    async def invoke(self, call):
-        if call["name"] != "place_order":
-            return await super().invoke(call)
-        Service().db.execute("INSERT INTO effects VALUES (?, ?)", (call["idempotency_key"], "placed"))
-        if crash == "after_apply":
-            open(ready, "w").close()
-            await asyncio.sleep(600)  # applied; the parent kills us before its observation is saved
-        return {{"order": "PO-1"}}
-
-    async def reconcile(self, call):
-        db = Service().db
-        db.execute("INSERT INTO asked VALUES (?)", (call["idempotency_key"],))
-        applied = db.execute("SELECT COUNT(*) FROM effects WHERE key = ?", (call["idempotency_key"],)).fetchone()[0]
-        return {{"applied": True, "data": {{"order": "PO-1"}}}} if applied else {{"applied": False}}
-
-
-async def main():
-    with agent_loop.SqliteStore(store_path) as store:
-        result = await agent_loop.run_agent(agent_loop.order_model, registry=agent_loop.ORDER_TOOLS,
-                                            accept=agent_loop.order_accepted, fixtures=Desk(delays={{}}), store=store,
-                                            run_id="order", approve=lambda write: "approve",
-                                            limits=agent_loop.Limits(tool_seconds=600, total_seconds=600))
-    print(json.dumps(result))
-
-
-asyncio.run(main())
-"""
-
-
 def order_errors(result):
     return [obs["error"] for obs in observations(result) if not obs["ok"]]
 
@@ -6340,6 +5271,29 @@ class WriteTests(StoreTestCase):
                          ("completed", PLAN, ["r3-order"], [pending["idempotency_key"]]))
         again = await self.order(store, agent_loop.OrderDesk(delays={}), approvals={"r3-order": "approve"})
         self.assertEqual(again, done)  # ended: the stored result, and nothing runs twice
+
+    async def test_a_writes_verdict_and_start_are_its_own_saved_state_not_the_traces(self):
+        store, seen = self.store(), []
+
+        class Looking(agent_loop.OrderDesk):  # what the store holds as the order's tool gets it
+            async def invoke(self, call):
+                if call["name"] == "place_order":
+                    seen.append(store.load("order")["state"]["writes"])
+                return await super().invoke(call)
+
+        paused = await self.order(store, approve=lambda write: "ask")
+        self.assertEqual(store.load("order")["state"]["writes"],
+                         {"r3-order": {"verdict": "ask", "by": "policy", "started": False}})
+        store.db.execute("DELETE FROM agent_loop_events WHERE body LIKE '%\"approval\"%'")  # the trace says nothing
+        desk = Looking(delays={})
+        done = await self.order(store, desk, approvals={"r3-order": "approve"})
+        self.assertEqual((paused["status"], done["status"], desk.effects), ("awaiting_approval", "completed",
+                                                                              [paused["pending"][0]["idempotency_key"]]))
+        self.assertEqual(seen, [{"r3-order": {"verdict": "approve", "by": "approvals", "started": True}}])
+
+    async def test_the_old_name_for_approvals_is_refused_saying_so(self):
+        await self.assertRefusedBeforeTheModelIsAsked("decisions: run_agent takes no such option", store=self.store(),
+                                                      run_id="job", decisions={"a": "approve"})
 
     async def test_a_paused_runs_tools_see_no_call_until_the_decision_and_a_decision_is_used_once(self):
         store, desk = self.store(), agent_loop.OrderDesk(delays={})
@@ -6893,9 +5847,8 @@ class WriteTests(StoreTestCase):
         folder = tempfile.mkdtemp(prefix="agent_loop_write_")
         self.addCleanup(shutil.rmtree, folder, True)
         store, service, ready = (os.path.join(folder, name) for name in ("runs.db", "service.db", "ready"))
-        script = WRITING_RUN.format(here=HERE)
-        run_in_a_process(script, store, service, ready, "after_apply", kill_when=ready)
-        result = run_in_a_process(script, store, service, ready, "none")
+        run_in_a_process("writing_run", store, service, ready, "after_apply", kill_when=ready)
+        result = run_in_a_process("writing_run", store, service, ready, "none")
         with agent_loop.SqliteStore(store) as saved:
             key = agent_loop.idempotency_key("order", "r3-order", saved.store_id)
         with contextlib.closing(sqlite3.connect(service)) as db:
@@ -6906,129 +5859,8 @@ class WriteTests(StoreTestCase):
         self.assertEqual((order["ok"], order["reconciled"]), (True, True))
         self.assertEqual([event["event"] for event in result["trace"]].count("write"), 1)
 
-    async def test_the_atlas_shows_a_write_asked_about_decided_too_late_and_unknown(self):
-        expected = {"awaiting_approval": (3, 3, 17), "approval_expired": (3, 3, 17), "unknown_outcome": (3, 4, 20)}
-        for name, used in expected.items():
-            with self.subTest(name=name):
-                result, _ = await agent_loop.run_scenario(name)
-                self.assertEqual((result["status"], tuple(result["used"].values())), (name, used))
-
-
-# PART 15: many workers, one database. The PostgreSQL tests start a server of their own: a throwaway cluster in a
+# PART 11: many workers, one database. The PostgreSQL tests start a server of their own: a throwaway cluster in a
 # temporary folder, on a loopback port, run as the postgres user when the tests run as root, always removed.
-def postgres_binaries():
-    """The folder of initdb and pg_ctl, or SkipTest saying what is missing."""
-    try:
-        import psycopg  # noqa: F401  (test-only: the SDK lane installs it)
-    except ImportError:
-        raise unittest.SkipTest("psycopg 3 is not installed (the SDK lane installs it)") from None
-    folders = [os.path.dirname(shutil.which("initdb") or ""), *sorted(glob.glob("/usr/lib/postgresql/*/bin"))[::-1]]
-    for folder in filter(None, folders):
-        if all(os.access(os.path.join(folder, name), os.X_OK) for name in ("initdb", "pg_ctl")):
-            return folder
-    raise unittest.SkipTest("PostgreSQL's initdb and pg_ctl are not installed")
-
-
-class ThrowawayPostgres:
-    """A PostgreSQL server in a folder of its own: started, then stopped and removed, even if the tests are killed
-    (a watchdog process does it when the pipe from this process closes)."""
-
-    def __init__(self, durable=False):
-        binaries = postgres_binaries()
-        self.as_server = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-        if self.as_server and not shutil.which("runuser"):
-            raise unittest.SkipTest("running as root without runuser: PostgreSQL will not run as root")
-        self.folder = tempfile.mkdtemp(prefix="agent_loop_pg_")
-        self.pg_ctl, data = os.path.join(binaries, "pg_ctl"), os.path.join(self.folder, "data")
-        stop = [*self.as_server, self.pg_ctl, "stop", "-D", data, "-m", "immediate", "-w"]
-        watchdog = f"import shutil, subprocess, sys; sys.stdin.read(); subprocess.run({stop!r}, capture_output=True); " \
-                   f"shutil.rmtree({self.folder!r}, True)"
-        self.watchdog = subprocess.Popen([sys.executable, "-c", watchdog], stdin=subprocess.PIPE,
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        try:
-            if self.as_server:
-                shutil.chown(self.folder, "postgres", "postgres")
-            self.run(os.path.join(binaries, "initdb"), "-D", data, "-U", "postgres", "--auth=trust", "-E", "UTF8",
-                     "--locale=C", "--no-sync")
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                self.port = probe.getsockname()[1]
-            with open(os.path.join(data, "postgresql.auto.conf"), "w") as conf:
-                conf.write(f"listen_addresses = '127.0.0.1'\nport = {self.port}\nunix_socket_directories = "
-                           f"'{self.folder}'\nmax_connections = 40\n" + ("" if durable else "fsync = off\n"))
-            self.run(self.pg_ctl, "start", "-D", data, "-w", "-t", "60", "-l", os.path.join(self.folder, "log"))
-        except BaseException:
-            self.stop()
-            raise
-        self.conninfo = f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres connect_timeout=10"
-
-    def run(self, *command):
-        subprocess.run([*self.as_server, *command], cwd=self.folder, capture_output=True, check=True, timeout=120)
-
-    def stop(self):
-        self.watchdog.stdin.close()  # the watchdog stops the server and removes the folder
-        self.watchdog.wait(timeout=60)
-
-
-POOL_WORKER = """
-import asyncio, json, sqlite3, sys, time
-sys.path.insert(0, {here!r})
-import agent_loop
-
-kind, where, name, crash = sys.argv[1:5]
-writes = []
-
-
-def connect():
-    if kind == "sqlite":
-        return sqlite3.connect(where, isolation_level=None, timeout=30)
-    import psycopg
-    return psycopg.connect(where, autocommit=True)
-
-
-def say(**line):
-    print(json.dumps({{"worker": name, "at": time.time(), **line}}), flush=True)
-
-
-class Desk(agent_loop.OrderDesk):  # the order service: a table of the same database, every effect of a key a row
-    def sql(self, statement, parameters):
-        cursor = service.cursor()
-        cursor.execute(statement.replace("?", "?" if kind == "sqlite" else "%s"), parameters)
-        return cursor
-
-    async def invoke(self, call):
-        if call["name"] != "place_order":
-            return await super().invoke(call)
-        self.sql("INSERT INTO effects VALUES (?, ?)", (call["idempotency_key"], name))
-        writes.append(call["idempotency_key"])
-        if crash == "after_second_write" and len(writes) == 2:
-            say(applied=call["idempotency_key"])
-            await asyncio.sleep(600)  # applied; the test kills this worker before the write's observation is saved
-        return {{"order": call["idempotency_key"][:8]}}
-
-    async def reconcile(self, call):
-        (count,) = self.sql("SELECT COUNT(*) FROM effects WHERE key = ?", (call["idempotency_key"],)).fetchone()
-        return {{"applied": True, "data": {{"order": call["idempotency_key"][:8]}}}} if count else {{"applied": False}}
-
-
-async def main():
-    with agent_loop.SqlStore(connect, lease_seconds=1.0) as store:
-        while store.unfinished():  # the worker loop of the README, and a wait while every run left is leased
-            run_id = store.claim_next()
-            if run_id is None:
-                await asyncio.sleep(0.05)
-                continue
-            say(claimed=run_id)
-            result = await agent_loop.run_agent(
-                agent_loop.order_model, registry=agent_loop.ORDER_TOOLS, accept=agent_loop.order_accepted,
-                fixtures=Desk(delays={{"north": 0.01, "south": 0.01}}), store=store, run_id=run_id,
-                approve=lambda write: "approve", limits=agent_loop.Limits(tool_seconds=30, total_seconds=120))
-            say(ended=run_id, status=result["status"])
-
-
-service = connect()
-asyncio.run(main())
-"""
 
 
 class LeaseTests(RuntimeTestCase):
@@ -7165,8 +5997,8 @@ class LeaseTests(RuntimeTestCase):
                                  fixtures=agent_loop.OrderDesk(delays={}), store=a, run_id="order",
                                  approve=lambda write: "ask", limits=ROOMY)
         self.assertEqual(paused["status"], "awaiting_approval")
-        row = a._sql("SELECT holder, lease_until, waiting FROM agent_loop_runs WHERE run_id = 'order'").fetchone()
-        self.assertEqual((tuple(row), b.claim_next(), b.unfinished()), ((None, None, 1), None, ["order"]))
+        row = a._sql("SELECT holder, lease_until, waits FROM agent_loop_runs WHERE run_id = 'order'").fetchone()
+        self.assertEqual((tuple(row), b.claim_next(), b.unfinished()), ((None, None, "approval"), None, ["order"]))
         done = await run_agent(agent_loop.order_model, registry=agent_loop.ORDER_TOOLS, accept=agent_loop.order_accepted,
                                fixtures=agent_loop.OrderDesk(delays={}), store=b, run_id="order",
                                approvals={"r3-order": "approve"}, limits=ROOMY)
@@ -7205,13 +6037,13 @@ class LeaseTests(RuntimeTestCase):
         runs = [f"run-{n:02}" for n in range(30)]
         for run_id in runs:
             queue.add(run_id)
-        script, logs, workers = POOL_WORKER.format(here=HERE), {}, {}
+        logs, workers = {}, {}
         kind = "sqlite" if type(setup).__module__ == "sqlite3" else "postgres"
         for name in ("victim", "one", "two"):
             logs[name] = open(os.path.join(self.folder, f"{name}.log"), "w+")
             self.addCleanup(logs[name].close)
             crash = "after_second_write" if name == "victim" else "no"
-            workers[name] = subprocess.Popen([sys.executable, "-c", script, kind, self.where, name, crash],
+            workers[name] = subprocess.Popen(child_command("pool_worker", kind, self.where, name, crash),
                                              stdout=logs[name], stderr=subprocess.STDOUT)
             self.addCleanup(workers[name].kill)
 
@@ -7344,15 +6176,15 @@ class LeaseTests(RuntimeTestCase):
         cut.cancel()  # saved, not ended
         await asyncio.gather(cut, return_exceptions=True)
         a.add("new")
-        waiting = lambda: a._sql("SELECT waiting, holder FROM agent_loop_runs WHERE run_id = 'old'").fetchone()  # noqa
+        waits = lambda: a._sql("SELECT waits, holder FROM agent_loop_runs WHERE run_id = 'old'").fetchone()  # noqa
         self.assertEqual(b.claim_next(), "old")
         with self.assertRaises(ValueError):  # your mistake, for every run: given back, free at once
             await run_agent(store=b, run_id="old", limits=SLOW_ROOMY, approvals={"nope": "approve"})
-        self.assertEqual(tuple(waiting()), (0, None))
+        self.assertEqual(tuple(waits()), (None, None))
         self.assertEqual(b.claim_next(), "old")
         with self.assertRaises(ValueError):  # a redeploy with other limits: this run waits for you
             await run_agent(store=b, run_id="old", limits=ROOMY)
-        self.assertEqual((tuple(waiting()), b.claim_next(), b.unfinished()), ((1, None), "new", ["old", "new"]))
+        self.assertEqual((tuple(waits()), b.claim_next(), b.unfinished()), (("aside", None), "new", ["old", "new"]))
         resumed = await run_agent(store=a, run_id="old", limits=SLOW_ROOMY)  # by name, with its own limits
         self.assertEqual(resumed["status"], "completed")
 
@@ -7473,6 +6305,761 @@ class PostgresLeaseTests(LeaseTests):
         for store in stores:
             self.addCleanup(store.close)
         self.assertClaimedApart(stores)
+
+
+class StandaloneRuntimeTests(unittest.TestCase):
+    """PART 1-11 stand alone: the file cut at the banner is the whole runtime. It prints the demo's transcript, has no
+    command but demo, and passes the tests of the runtime's later parts (own tools, refusals, bridges, MCP, named
+    runs, writes, leases)."""
+
+    def test_the_cut_runtime_prints_the_demos_transcript_and_has_the_demo_alone(self):
+        with tempfile.TemporaryDirectory() as folder:
+            cut_module(folder, RUNTIME_END)
+            flags = ["-O"] if sys.flags.optimize else []
+            demo, help = (subprocess.run([sys.executable, *flags, "agent_loop.py", *args], cwd=folder,
+                                         capture_output=True, text=True, timeout=120, check=False)
+                          for args in (["demo"], ["--help"]))
+            self.assertEqual((demo.returncode, demo.stderr, demo.stdout), (0, "", DEMO_TRANSCRIPT))
+            self.assertEqual((help.returncode, re.findall(r"^    (\w+) ", help.stdout, re.M)), (0, ["demo"]))
+
+    def test_the_cut_runtime_passes_the_runtimes_tests(self):
+        finish_alone(self, "runtime")
+
+
+# ======================================================================================================================
+# Around the runtime: the tests of the atlas, the benchmark and the timeline, then the README and the ownership
+# experiment. The helpers the tests start (a fake provider, a real MCP server, PostgreSQL, child processes that crash)
+# are at the end of the file.
+# ======================================================================================================================
+
+
+# PART 12: the scenario atlas: one small, deterministic run per stop status
+
+ATLAS_EXPECTED = {  # name: (rounds, calls, credits, observation errors in order)
+    "completed": (3, 3, 17, []),
+    "round_limit": (2, 3, 14, []),
+    "call_limit": (1, 0, 3, []),
+    "credit_limit": (2, 3, 14, []),
+    "deadline": (1, 2, 7, ["tool_timeout", "tool_timeout"]),
+    "cancelled": (1, 2, 7, ["cancelled", "cancelled"]),
+    "model_timeout": (1, 0, 3, []),
+    "model_exception": (1, 0, 3, []),
+    "invalid_decision": (1, 0, 3, []),
+    "invalid_final": (1, 0, 3, []),
+    "invalid_batch": (1, 0, 3, []),
+    "invalid_call": (1, 0, 3, []),
+    "invalid_call_id": (1, 0, 3, []),
+    "duplicate_call_id": (1, 0, 3, []),
+    "unknown_tool": (2, 2, 10, []),
+    "permission_denied": (1, 1, 5, ["permission_denied", "batch_aborted"]),
+    "invalid_arguments": (1, 0, 3, []),
+    "repeat_limit": (3, 3, 15, ["temporary", "temporary"]),
+    "tool_exception": (1, 2, 7, ["tool_exception"]),
+}
+
+
+# What `python3 agent_loop.py scenarios` prints, written out (the README shows the same table).
+ATLAS_TABLE = """\
+scenario           status             rounds calls credits  what happened
+completed          completed               3     3      17  both reads in one parallel batch, then the plan; the answer passed the final check
+round_limit        round_limit             2     3      14  two rounds read and planned; no round was left for the answer
+call_limit         call_limit              1     0       3  the first batch holds two reads but one call was allowed: nothing ran
+credit_limit       credit_limit            2     3      14  the plan was computed, then 14 + 3 credits for the answer passed 16
+deadline           deadline                1     2       7  both reads hung; the 0.3 s run deadline cut them off (tool_timeout) and ended the run
+cancelled          cancelled               1     2       7  the cancel event was set while both reads ran; both were cancelled and kept as observations
+model_timeout      model_timeout           1     0       3  the model did not decide within 0.05 s
+model_exception    model_exception         1     0       3  the model raised; its message is not kept
+invalid_decision   invalid_decision        1     0       3  the model returned text instead of a decision
+invalid_final      invalid_final           1     0       3  a correct answer guessed before any evidence was read
+invalid_batch      invalid_batch           1     0       3  an empty batch of calls
+invalid_call       invalid_call            1     0       3  a call that is a string, not a dict
+invalid_call_id    invalid_call_id         1     0       3  an empty call id
+duplicate_call_id  duplicate_call_id       1     0       3  two calls with the id 'a' in one batch: nothing ran
+unknown_tool       unknown_tool            2     2      10  the injected note asked for place_order; text in data grants no tool
+permission_denied  permission_denied       1     1       5  north refused permission; in a serial batch south was then batch_aborted
+invalid_arguments  invalid_arguments       1     0       3  a path-like partition, '../north'
+repeat_limit       repeat_limit            3     3      15  north failed temporarily twice; a third identical read was refused
+tool_exception     tool_exception          1     2       7  north had an internal fault; its message is not kept
+"""
+STATUSES = [
+    "completed", "round_limit", "call_limit", "credit_limit", "deadline", "cancelled", "model_timeout",
+    "model_exception", "invalid_decision", "invalid_final", "invalid_batch", "invalid_call", "invalid_call_id",
+    "duplicate_call_id", "unknown_tool", "permission_denied", "invalid_arguments", "repeat_limit", "tool_exception",
+]
+
+
+WHY = {  # each atlas scenario's stop event, beyond event, status and used: why, in plain data
+    "completed": {},
+    "round_limit": {"reason": "all 2 rounds were used"},
+    "call_limit": {"reason": "2 calls asked, 1 left"},
+    "credit_limit": {"reason": "a decision costs 3 credits, 2 left"},
+    "deadline": {},
+    "cancelled": {},
+    "model_timeout": {},
+    "model_exception": {"error_type": "RuntimeError"},
+    "invalid_decision": {"reason": "a decision is a dict"},
+    "invalid_final": {"rejected": PLAN, "reason": "the final check did not accept it"},
+    "invalid_batch": {"reason": "no calls"},
+    "invalid_call": {"reason": "a call is a dict of exactly call_id, name and arguments"},
+    "invalid_call_id": {"reason": "a call id is a string of 1 to 80 characters"},
+    "duplicate_call_id": {"call_id": "a", "reason": "the call id was used before"},
+    "unknown_tool": {"call_id": "order", "name": "place_order", "reason": "no tool of that name"},
+    "permission_denied": {"call_id": "r1-north", "name": "read_partition", "error_type": "PermissionError"},
+    "invalid_arguments": {"call_id": "a", "name": "read_partition", "reason": "partition: not one of the allowed values"},
+    "repeat_limit": {"call_id": "r3-north", "name": "read_partition",
+                     "reason": "the same tool and arguments at most 2 times"},
+    "tool_exception": {"call_id": "r1-north", "name": "read_partition", "error_type": "RuntimeError"},
+}
+
+
+class AtlasTests(RuntimeTestCase):
+    """PART 8: the scenario atlas: one run per stop status, its stop event, its table, its JSON and its command line."""
+
+    def test_every_stop_status_has_a_scenario_of_that_name_the_contracts_first(self):
+        self.assertEqual(list(STOP_STATUSES[:len(STATUSES)]), STATUSES)  # later parts add theirs after
+        self.assertEqual([name for name, _, _ in agent_loop.ATLAS][:len(STATUSES)], STATUSES)
+        self.assertLessEqual(set(STOP_STATUSES), {name for name, _, _ in agent_loop.ATLAS})
+
+    async def test_each_scenario_stops_with_its_status_budget_and_errors(self):
+        for name, (rounds, calls_used, credits, errors_seen) in ATLAS_EXPECTED.items():
+            with self.subTest(name=name):
+                result, fixtures = await agent_loop.run_scenario(name)
+                self.assertEqual(result["status"], name)
+                self.assertEqual(result["used"], {"rounds": rounds, "calls": calls_used, "credits": credits})
+                self.assertEqual(errors(result), errors_seen)
+                self.assertEqual(fixtures.active, 0)
+                self.assertNoPrivateText(result)
+        self.assertNoTaskLeft()
+
+    def test_the_atlas_covers_the_observation_only_errors(self):
+        seen = {error for *_, errors_seen in ATLAS_EXPECTED.values() for error in errors_seen}
+        self.assertLessEqual({"temporary", "tool_timeout", "batch_aborted", "cancelled"}, seen)
+
+    def test_the_table_is_the_one_written_out_here_and_in_the_readme(self):
+        first, second = run_commands(["scenarios"], ["scenarios"])
+        self.assertEqual((first.returncode, first.stderr), (0, ""))
+        self.assertEqual(first.stdout, second.stdout)
+        self.assertEqual(first.stdout.splitlines()[:len(STATUSES) + 1], ATLAS_TABLE.splitlines())  # then later parts'
+
+        shown = re.search(r"```\n(scenario .*?)```", readme_section("Every status, one command"), re.S)[1].splitlines()
+        self.assertEqual(shown, [line for line in ATLAS_TABLE.splitlines() if line in shown])  # its lines, in order
+        self.assertGreaterEqual(len(shown), 2)
+
+    def test_the_json_table_holds_the_same_rows_and_each_runs_errors(self):
+        done = run_command("scenarios", "--json")
+        self.assertEqual((done.returncode, done.stderr), (0, ""))
+        rows = json.loads(done.stdout)
+        whys = [line.split(maxsplit=5)[5] for line in ATLAS_TABLE.splitlines()[1:]]
+        self.assertEqual([(row["name"], row["why"]) for row in rows[:len(STATUSES)]], list(zip(STATUSES, whys)))
+        for row in rows[:len(STATUSES)]:
+            used = row["used"]
+            self.assertEqual((row["status"], used["rounds"], used["calls"], used["credits"], row["errors"]),
+                             (row["name"], *ATLAS_EXPECTED[row["name"]]))
+
+    def test_one_scenario_prints_its_events_as_they_happen_then_its_status_and_answer(self):
+        done = run_command("scenarios", "cancelled")
+        self.assertEqual((done.returncode, done.stderr), (0, ""))
+        head, rest = done.stdout.split("\n", 1)
+        self.assertEqual(head, "cancelled: each trace event as it happens")
+        events, decoder = [], json.JSONDecoder()
+        while rest.startswith("{"):
+            event, end = decoder.raw_decode(rest)
+            events.append(event)
+            rest = rest[end:].lstrip("\n")
+        self.assertEqual([(event["event"], event.get("status")) for event in events],
+                         [("decision", None), ("observations", None), ("stop", "cancelled")])
+        lines = rest.splitlines()
+        self.assertEqual(lines[0], "cancelled cancelled {'rounds': 1, 'calls': 2, 'credits': 7}")
+        self.assertIn(lines[1], ("finish order: ['r1-north', 'r1-south']", "finish order: ['r1-south', 'r1-north']"))
+        self.assertEqual(lines[2:], ["null"])
+
+    def test_an_unknown_scenario_name_is_refused(self):
+        done = run_command("scenarios", "no_such_status")
+        self.assertEqual(done.returncode, 2)
+        self.assertIn("invalid choice", done.stderr)
+
+    async def test_the_atlas_shows_a_takeover_a_full_disk_and_a_crash_resumed(self):
+        expected = {  # name: (status, used, observation errors)
+            "superseded": ("superseded", {"rounds": 1, "calls": 2, "credits": 7}, []),
+            "store_failed": ("store_failed", {"rounds": 1, "calls": 0, "credits": 3}, []),
+            "resumed": ("completed", {"rounds": 4, "calls": 5, "credits": 24}, ["interrupted", "interrupted"]),
+        }
+        for name, (status, used, errors_seen) in expected.items():
+            with self.subTest(name=name):
+                result, fixtures = await agent_loop.run_scenario(name)
+                self.assertEqual((result["status"], result["used"], errors(result)), (status, used, errors_seen))
+                self.assertEqual(fixtures.active, 0)
+
+    async def test_the_atlas_shows_a_write_asked_about_decided_too_late_and_unknown(self):
+        expected = {"awaiting_approval": (3, 3, 17), "approval_expired": (3, 3, 17), "unknown_outcome": (3, 4, 20)}
+        for name, used in expected.items():
+            with self.subTest(name=name):
+                result, _ = await agent_loop.run_scenario(name)
+                self.assertEqual((result["status"], tuple(result["used"].values())), (name, used))
+
+
+    async def test_each_failure_says_why_in_its_stop_event(self):
+        self.assertEqual(list(WHY), STATUSES)
+        for name, why in WHY.items():
+            with self.subTest(name=name):
+                result, _ = await agent_loop.run_scenario(name)
+                stop = result["trace"][-1]
+                self.assertEqual({key: value for key, value in stop.items()
+                                  if key not in ("event", "status", "rounds", "calls", "credits")}, why)
+                self.assertIsNone(result["answer"]) if name != "completed" else None
+                self.assertNoPrivateText(result)
+
+
+# PART 13: the benchmark: what parallel batches and bounded waits buy, and what the runtime costs
+
+class BenchTests(unittest.TestCase):
+    """PART 9: the benchmark: its figures are checked for sanity, never for speed."""
+
+    def test_help_lists_the_commands_of_the_whole_module(self):
+        done = run_command("--help")
+        self.assertEqual((done.returncode, list(agent_loop.every_command())), (0, ["demo", "scenarios", "bench"]))
+        for command in agent_loop.every_command():
+            self.assertIn(f"    {command} ", done.stdout)
+
+    def test_the_quick_bench_prints_every_figure_positive_and_finite(self):
+        if not QUICK_BENCH:  # this test run alone, by name
+            start_the_quick_bench()
+        stdout, stderr = QUICK_BENCH["process"].communicate(timeout=600)
+        self.assertEqual((QUICK_BENCH["process"].returncode, stderr), (0, ""))
+        figures = json.loads(stdout)
+        self.assertEqual(list(figures)[:7], ["python", "cores", "repeats", "parallel_efficiency", "overhead",
+                                             "limit_overshoot", "growth"])  # then what later parts measure
+        self.assertEqual(list(figures)[7:], [name for name, _, _ in agent_loop.BENCH_PARTS])
+        self.assertEqual(figures["python"], platform.python_version())
+        self.assertEqual(sorted(figures["parallel_efficiency"]), ["1", "2", "4"])
+        self.assertEqual(sorted(figures["overhead"]), ["call_us", "round_us"])
+        self.assertEqual(sorted(figures["limit_overshoot"]), ["tool_ms", "total_ms"])
+        durations = [spread for modes in figures["parallel_efficiency"].values() for spread in modes.values()]
+        durations += [figures["overhead"]["round_us"]]
+        durations += [spread for row in figures["growth"].values() for spread in row.values()]
+        # Differences of two times (a further call, the time past a limit) may come out below zero on a busy machine.
+        differences = [figures["overhead"]["call_us"], *figures["limit_overshoot"].values()]
+        self.assertEqual(len(durations + differences), 6 + 2 + 2 + 2 * len(figures["growth"]))
+        pool, saving = figures["pool_runs_per_second"], figures["store_ms"]
+        self.assertEqual(({where: sorted(rows) for where, rows in pool.items()}, sorted(saving)),
+                         ({"SQLite": ["1", "2", "4"]}, ["10", "100"]))
+        self.assertIsNone(figures["postgres_store_ms"])  # measured by python3 test_agent_loop.py bench
+        durations += [*pool["SQLite"].values(), *saving.values()]
+        for positive, spreads in ((True, durations), (False, differences)):
+            for spread in spreads:
+                self.assertEqual(sorted(spread), ["max", "median", "min"])
+                self.assertTrue(all(math.isfinite(value) for value in spread.values()), spread)
+                self.assertTrue(spread["min"] > 0 or not positive, spread)
+                self.assertLessEqual(spread["min"], spread["median"])
+                self.assertLessEqual(spread["median"], spread["max"])
+        # Physical floors, not speeds: k waits of 50 ms one after another take at least k x 50 ms; side by side, 50 ms.
+        for k, modes in figures["parallel_efficiency"].items():
+            with self.subTest(k=k):
+                self.assertGreaterEqual(modes["serial"]["min"], int(k) * 0.999)
+                self.assertGreaterEqual(modes["parallel"]["min"], 0.999)
+
+    def test_the_bench_measures_the_stores_cost_per_round_at_each_length(self):
+        figures = asyncio.run(agent_loop._store_cost(quick=True))
+        self.assertEqual(list(figures), ["10", "100"])
+        for spread in figures.values():  # a time, not a speed: positive and finite, in order
+            self.assertTrue(0 < spread["min"] <= spread["median"] <= spread["max"] < math.inf, spread)
+
+    def test_growth_is_measured_beside_the_copy_floor_of_the_same_history(self):
+        copied = []
+        real_copy = agent_loop._copy
+
+        def spy(value, *args):
+            if type(value) is list and len(value) == 10 and all(type(record) is dict and "round" in record
+                                                                for record in value):
+                copied.append(len(value))
+            return real_copy(value, *args)
+
+        with unittest.mock.patch.object(agent_loop, "_copy", spy):
+            figures = asyncio.run(agent_loop._growth((10,), samples=3))
+        self.assertEqual(copied, [10] * 4)  # the model's copy in round 11, then the floor's three
+        self.assertEqual(sorted(figures["10"]), ["copy_ms", "round_ms"])
+
+
+# PART 14: see a run: its decisions and calls drawn on a time axis
+
+def bars(drawing, label=30):
+    """{lane label: (first column, last column, outcome)} of a text drawing's calls ('.' for one that never ran)."""
+    found = {}
+    for line in drawing.splitlines():
+        if line.startswith("  ") and line[:label].strip() and not line.startswith("  model"):
+            row, outcome = line[label:].rsplit(" ", 1)
+            marks = [index for index, char in enumerate(row) if char in "=."]
+            found[line[:label].strip()] = (marks[0], marks[-1], outcome)
+    return found
+
+
+def columns(text):
+    """How many terminal columns text takes: two for a wide or fullwidth character, none for a combining mark."""
+    return sum(0 if unicodedata.combining(char) else 2 if unicodedata.east_asian_width(char) in "WF" else 1
+               for char in text)
+
+
+READ = {"type": "object", "properties": {"sku": {"type": "string"}}, "required": ["sku"], "additionalProperties": False}
+
+
+class TimelineTests(RuntimeTestCase):
+    """PART 12: a run drawn on a time axis: lanes, bars and outcomes, the SVG, and the drawings of the command line."""
+
+    async def drawn(self, fixtures, **options):
+        timeline = agent_loop.Timeline()
+        result = await run_agent(timeline.model(options.pop("model", fake_model)), fixtures=timeline.tools(fixtures),
+                                 on_event=timeline.event, **options)
+        return timeline, result
+
+    async def test_the_recorder_changes_nothing_of_the_run(self):
+        plain = await run_agent(fixtures=Fixtures(failures={"north": ["temporary"]}), limits=ROOMY)
+        _, drawn = await self.drawn(Fixtures(failures={"north": ["temporary"]}), limits=ROOMY)
+        self.assertEqual({key: drawn[key] for key in ("status", "answer", "used", "history", "trace")},
+                         {key: plain[key] for key in ("status", "answer", "used", "history", "trace")})
+
+    async def test_lanes_come_in_request_order_and_a_parallel_batch_overlaps(self):
+        timeline, result = await self.drawn(Fixtures(delays={"north": 0.05, "south": 0.01}), limits=ROOMY)
+        drawing = timeline.text(result, width=100)
+        lanes = bars(drawing)
+        self.assertEqual(list(lanes), ["r1-north read_partition", "r1-south read_partition", "r2-plan compute_plan"])
+        north, south = lanes["r1-north read_partition"], lanes["r1-south read_partition"]
+        self.assertLess(south[0], north[1])  # side by side: south began before north ended
+        self.assertEqual([lane[2] for lane in lanes.values()], ["ok", "ok", "ok"])
+        self.assertTrue(all(len(line) <= 100 for line in drawing.splitlines()))
+
+    async def test_a_serial_batch_does_not_overlap(self):
+        registry = {**TOOLS, "read_partition": dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)}
+        timeline, result = await self.drawn(Fixtures(delays={"north": 0.05, "south": 0.05}), registry=registry, limits=ROOMY)
+        lanes = bars(timeline.text(result))
+        north, south = lanes["r1-north read_partition"], lanes["r1-south read_partition"]
+        self.assertGreaterEqual(south[0], north[1])  # one after the other
+        self.assertLess(north[0], south[0])
+
+    async def test_each_bar_ends_with_its_outcome_and_the_limits_that_acted_are_marked(self):
+        cases = [  # (scenario, outcomes of its calls in request order, the mark of the limit that acted)
+            ("deadline", ["tool_timeout", "tool_timeout"], "^ deadline"),
+            ("cancelled", ["cancelled", "cancelled"], "^ cancel"),
+            ("permission_denied", ["permission_denied", "batch_aborted"], None),
+            ("repeat_limit", ["temporary", "ok", "temporary"], None),
+        ]
+        for name, outcomes, mark in cases:
+            with self.subTest(name=name):
+                timeline = agent_loop.Timeline()
+                result, _ = await agent_loop.run_scenario(name, timeline=timeline)
+                drawing = timeline.text(result)
+                self.assertEqual([lane[2] for lane in bars(drawing).values()], outcomes)
+                self.assertEqual([line.strip() for line in drawing.splitlines() if line.strip().startswith("^")],
+                                 [mark] if mark else [])
+                self.assertTrue(drawing.splitlines()[-1].startswith(f"{name}: "))
+        timeline, result = await self.drawn(Fixtures(failures={"north": ["timeout"]}),
+                                            limits=dataclasses.replace(ROOMY, tool_seconds=0.1))
+        self.assertIn("^ tool_seconds", timeline.text(result))
+        self.assertEqual(result["status"], "completed")
+
+    async def test_the_svg_is_a_document_with_one_bar_per_call_and_its_limit_lines(self):
+        for name, limits in (("deadline", 1), ("permission_denied", 0), ("completed", 0)):
+            with self.subTest(name=name):
+                timeline = agent_loop.Timeline()
+                result, _ = await agent_loop.run_scenario(name, timeline=timeline)
+                root = xml.etree.ElementTree.fromstring(timeline.svg(result).split("\n", 1)[1])
+                svg = "{http://www.w3.org/2000/svg}"
+                self.assertEqual(root.tag, f"{svg}svg")
+                self.assertEqual(len([r for r in root.iter(f"{svg}rect") if r.get("class") == "call"]),
+                                 len(observations(result)))
+                self.assertEqual(len([r for r in root.iter(f"{svg}rect") if r.get("class") == "decision"]),
+                                 result["used"]["rounds"])
+                self.assertEqual(len([line for line in root.iter(f"{svg}line") if line.get("class") == "limit"]), limits)
+
+    async def test_every_scenario_draws(self):
+        for name in STATUSES:
+            with self.subTest(name=name):
+                timeline = agent_loop.Timeline()
+                result, _ = await agent_loop.run_scenario(name, timeline=timeline)
+                self.assertEqual(result["status"], name)
+                self.assertTrue(timeline.text(result).splitlines()[-1].startswith(f"{name}: "))
+                xml.etree.ElementTree.fromstring(timeline.svg(result).split("\n", 1)[1])
+
+    async def test_a_call_id_with_control_characters_draws_safely(self):
+        timeline = agent_loop.Timeline()
+        model = scripted(calls(call("a\x01\n\x1b[31mred", partition="north")))
+        result = await run_agent(timeline.model(model), fixtures=timeline.tools(Fixtures()), on_event=timeline.event,
+                                 limits=dataclasses.replace(ROOMY, rounds=1))
+        drawing = timeline.text(result)
+        self.assertFalse([char for char in drawing if not char.isprintable() and char != "\n"])
+        xml.etree.ElementTree.fromstring(timeline.svg(result).split("\n", 1)[1])
+
+    def test_a_file_the_svg_cannot_go_to_is_refused_before_the_run(self):
+        for done in run_commands(("demo", "--svg", os.path.join(HERE, "no such folder", "demo.svg")),
+                                 ("demo", "--svg", "")):
+            self.assertEqual((done.returncode, done.stdout), (2, ""))
+            self.assertIn("can't open", done.stderr)
+            self.assertNotIn("Traceback", done.stderr)
+
+    def test_a_command_started_with_its_output_closed_says_so_in_one_line(self):
+        flags = "-O" if sys.flags.optimize else ""
+        command = f'"{sys.executable}" {flags} "{os.path.join(HERE, "agent_loop.py")}" demo >&-'
+        done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=120, check=False)
+        self.assertEqual((done.returncode, done.stderr), (1, "agent_loop.py: error: cannot write the output: "
+                                                             "no standard output\n"))
+
+    async def test_every_scenario_draws_but_those_that_resume_a_run_which_are_refused_before_a_file_is_touched(self):
+        undrawn = [name for name, _, how in agent_loop.ATLAS if how.get("drawn") is False]
+        self.assertEqual(undrawn, ["superseded", "resumed", "approval_expired"])
+        for name in [name for name, _, _ in agent_loop.ATLAS if name not in STATUSES]:  # (those: just above)
+            with self.subTest(name=name):
+                timeline = agent_loop.Timeline()
+                with contextlib.redirect_stdout(io.StringIO()):
+                    result, _ = await agent_loop.run_scenario(name, timeline=timeline)
+                if name in undrawn:
+                    self.assertRaises(ValueError, timeline.text, result)  # (so the flag says what is so)
+                else:
+                    self.assertIn(f"{result['status']}: ", timeline.text(result))
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "kept.svg")
+            with open(path, "w", encoding="utf-8") as file:
+                file.write("kept")
+            for done in run_commands(*[("scenarios", name, "--svg", path) for name in undrawn]):
+                self.assertEqual((done.returncode, done.stdout), (2, ""))
+                self.assertIn("a Timeline draws a run it recorded whole", done.stderr)
+            with open(path, encoding="utf-8") as file:
+                self.assertEqual(file.read(), "kept")
+
+    async def test_the_readmes_drawings_are_those_of_the_runs_they_name(self):
+        drawings = [block for block in re.findall(r"```\n(.*?)```", readme_section("See a run on a time axis"), re.S)
+                    if "round 1" in block]
+        self.assertEqual(len(drawings), 1)
+        retry = agent_loop.Timeline()
+        fixtures = Fixtures(failures={"north": ["temporary"]})
+        result = await run_agent(retry.model(fake_model), fixtures=retry.tools(fixtures), on_event=retry.event)
+        fresh = [retry.text(result)]
+        for shown, drawn in zip(drawings, fresh):
+            with self.subTest(drawing=drawn.splitlines()[-1]):
+                self.assertEqual({lane: outcome for lane, (*_, outcome) in bars(shown).items()},
+                                 {lane: outcome for lane, (*_, outcome) in bars(drawn).items()})
+                self.assertEqual([line.strip() for line in shown.splitlines() if line.strip().startswith(("round", "^"))],
+                                 [line.strip() for line in drawn.splitlines() if line.strip().startswith(("round", "^"))])
+                self.assertEqual(shown.splitlines()[-1].split(":")[0], drawn.splitlines()[-1].split(":")[0])
+                self.assertEqual([len(line) for line in shown.splitlines()[:2]],  # the scale, as wide as it is drawn
+                                 [len(line) for line in drawn.splitlines()[:2]])
+
+    def test_the_demo_draws_only_when_asked_and_prints_the_same_bytes_besides(self):
+        drawn = run_command("demo", "--timeline")
+        self.assertEqual((drawn.returncode, drawn.stderr), (0, ""))
+        normal, retry = DEMO_TRANSCRIPT.split("retry completed")
+        self.assertTrue(drawn.stdout.startswith(normal))
+        self.assertIn("retry completed" + retry, drawn.stdout)
+        self.assertEqual(drawn.stdout.count("completed: "), 2)  # one drawing after each run
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "demo.svg")
+            done = run_command("demo", "--svg", path)
+            self.assertEqual(done.stdout, DEMO_TRANSCRIPT)  # the drawing went to the file instead
+            with open(path, encoding="utf-8") as file:
+                xml.etree.ElementTree.fromstring(file.read().split("\n", 1)[1])
+        refused = run_command("scenarios", "--timeline")
+        self.assertEqual(refused.returncode, 2)
+        self.assertIn("give its NAME", refused.stderr)
+
+    def test_the_command_line_refuses_a_mix_before_it_touches_a_file(self):
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "kept.svg")
+            with open(path, "w", encoding="utf-8") as file:
+                file.write("kept")
+            for argv, says in ((("scenarios", "--json", "--svg", path), "give its NAME"),
+                               (("scenarios", "deadline", "--json"), "give no NAME"),
+                               (("scenarios", "deadline", "--json", "--svg", path), "give no NAME")):
+                with self.subTest(argv=argv):
+                    done = run_command(*argv)
+                    self.assertEqual((done.returncode, done.stdout), (2, ""))
+                    self.assertIn(says, done.stderr)
+                    with open(path, encoding="utf-8") as file:
+                        self.assertEqual(file.read(), "kept")
+            done = run_command("scenarios", "deadline", "--svg", path)
+            self.assertEqual(done.returncode, 0)
+            with open(path, encoding="utf-8") as file:
+                self.assertTrue(file.read().startswith("<?xml"))
+
+    @unittest.skipUnless(os.path.exists("/dev/full"), "needs /dev/full, a file that refuses every write")
+    def test_a_drawing_that_cannot_be_written_is_an_error_line_not_a_traceback(self):
+        for argv in (("demo", "--svg", "/dev/full"), ("scenarios", "cancelled", "--svg", "/dev/full")):
+            with self.subTest(argv=argv):
+                done = run_command(*argv)
+                self.assertEqual(done.returncode, 1)
+                self.assertNotIn("Traceback", done.stderr)
+                self.assertIn("No space left on device", done.stderr)
+
+    async def test_every_outcome_starts_in_one_terminal_column_whatever_the_labels(self):
+        async def read_stock(sku):
+            await asyncio.sleep(0.01)
+            return {"sku": sku, "stock": 4}
+
+        long_id = "长" * 40
+        ids = ["北-1", "南-1", long_id, "cafe\u0301"]  # wide characters, a label too long, a combining accent
+        registry = {"读取库存": ToolSpec(1, True, True, parameters=READ)}
+        model = scripted(calls(*[call(cid, "读取库存", sku=str(n)) for n, cid in enumerate(ids)]), final("done"))
+        timeline = agent_loop.Timeline()
+        tools = timeline.tools(agent_loop.FunctionTools({"读取库存": read_stock}))
+        result = await run_agent(timeline.model(model), fixtures=tools, registry=registry, accept=any_answer,
+                                 on_event=timeline.event, limits=ROOMY)
+        self.assertEqual(result["status"], "completed")
+        drawing = timeline.text(result, width=100)
+        lanes = [line for line in drawing.splitlines() if line.startswith("  ") and line[2] != " "]
+        self.assertEqual(len(lanes), 2 + len(ids))  # two decisions and four calls
+        starts = {columns(line.rsplit(" ", 1)[0]) + 1 for line in lanes}  # the column where the outcome begins
+        self.assertEqual(len(starts), 1, drawing)
+        self.assertTrue(all(columns(line) <= 100 for line in drawing.splitlines()))
+        (cut,) = [line for line in lanes if "..." in line]
+        label = cut[2:cut.index("...") + 3]
+        self.assertEqual((label, columns(label)), ("长" * 12 + "...", 27))  # at most 30 - 3 columns
+        (accented,) = [line for line in lanes if "cafe" in line]
+        self.assertTrue(accented.startswith("  cafe\u0301 读取库存" + " " * (28 - 13)))
+
+class TimelineRecorderTests(RuntimeTestCase):
+    """PART 12: a Timeline records a run without changing it, draws only a run it saw whole, and marks only limits that cut."""
+
+    async def test_a_timeline_that_recorded_another_runs_calls_or_decisions_draws_neither(self):
+        for why in ("calls", "decisions"):
+            with self.subTest(why=why):
+                timeline = agent_loop.Timeline()
+                if why == "calls":  # an earlier run through its tools only
+                    await run_agent(fixtures=timeline.tools(Fixtures()), limits=ROOMY)
+                    result = await run_agent(timeline.model(fake_model), fixtures=Fixtures(), on_event=timeline.event,
+                                             limits=ROOMY)
+                else:  # an earlier run through its model only
+                    await run_agent(timeline.model(fake_model), limits=ROOMY)
+                    result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures()),
+                                             on_event=timeline.event, limits=ROOMY)
+                for draw in (timeline.text, timeline.svg):
+                    with self.assertRaises(ValueError):
+                        draw(result)
+
+    async def drawn(self, timeline, fixtures, model=fake_model, **options):
+        return await run_agent(timeline.model(model), fixtures=timeline.tools(fixtures), on_event=timeline.event,
+                               **{"limits": ROOMY, **options})
+
+    async def test_a_timeline_keeps_every_refusal_and_draws_only_the_one_run_it_saw_whole(self):
+        def plain_model(history):  # not async: a model_exception, drawn or not
+            return final(PLAN)
+
+        for wrap in (False, True):
+            timeline = agent_loop.Timeline()
+            model = timeline.model(plain_model) if wrap else plain_model
+            self.assertEqual((await run_agent(model, limits=ROOMY))["status"], "model_exception")
+        timeline = agent_loop.Timeline()
+        tools = timeline.tools(agent_loop.FunctionTools({"get_rate": RateDesk().get_rate}))
+        await self.assertRefusedBeforeTheModelIsAsked("convert: FunctionTools has no function for it", fixtures=tools,
+                                                      registry=CONVERSION_TOOLS, accept=conversion_accepted)
+        # A Timeline is for one run: another run, or a model wrapped twice, is refused, not drawn wrong.
+        timeline = agent_loop.Timeline()
+        for _ in range(2):
+            result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures()),
+                                     on_event=timeline.event, limits=ROOMY)
+        with self.assertRaises(ValueError):
+            timeline.text(result)
+        timeline = agent_loop.Timeline()
+        result = await run_agent(timeline.model(fake_model), on_event=timeline.event, limits=ROOMY)
+        with self.assertRaises(ValueError):  # its calls ran, but were not recorded
+            timeline.text(result)
+        timeline, cancel = agent_loop.Timeline(), asyncio.Event()
+        cancel.set()
+        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures()), cancel=cancel,
+                                 on_event=timeline.event, limits=ROOMY)
+        self.assertEqual(timeline.text(result), "cancelled: no decision was asked\n")
+        for width in (10, 100.0):
+            with self.assertRaises(ValueError):
+                timeline.text(result, width=width)
+
+    async def test_each_limit_is_marked_where_it_acted_and_only_there(self):
+        # A serial batch: north is cut by tool_seconds, south then by the run's deadline.
+        registry = {**TOOLS, "read_partition": dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)}
+        limits = Limits(tool_seconds=0.2, model_seconds=5, total_seconds=0.35)
+        timeline = agent_loop.Timeline(limits)
+        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures(delays={"north": 30,
+                                 "south": 30})), registry=registry, on_event=timeline.event, limits=limits)
+        marks = [line.strip() for line in timeline.text(result).splitlines() if line.strip().startswith("^")]
+        self.assertEqual((result["status"], marks), ("deadline", ["^ tool_seconds", "^ deadline"]))
+
+        class OwnTimeout(Fixtures):  # a tool's own TimeoutError, long before its limit: no limit acted
+            async def invoke(self, call):
+                await super().invoke(call)
+                raise TimeoutError()
+
+        limits = dataclasses.replace(ROOMY, rounds=1)
+        timeline = agent_loop.Timeline()
+        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(OwnTimeout(delays={})),
+                                 on_event=timeline.event, limits=limits)
+        self.assertEqual(errors(result), ["tool_timeout", "tool_timeout"])
+        self.assertNotIn("^", timeline.text(result))
+
+    async def test_a_tool_that_edits_its_own_call_changes_nothing_under_a_timeline(self):
+        for edit in ("delete", "rename"):
+            class Editing(Fixtures):
+                async def invoke(self, call):
+                    data = await super().invoke(call)
+                    if edit == "delete":
+                        del call["call_id"]
+                    else:
+                        call["call_id"] = "elsewhere"
+                    return data
+
+            with self.subTest(edit=edit):
+                timeline = agent_loop.Timeline()
+                result = await self.drawn(timeline, Editing(delays={}))
+                self.assertEqual(result["status"], "completed")
+                self.assertIn("r1-north", timeline.text(result))
+
+    async def test_a_run_the_timeline_did_not_record_whole_is_a_value_error(self):
+        both_fail = {"failures": {"north": ["bug"], "south": ["bug"]}, "delays": {}}
+        unwrapped_tools = agent_loop.Timeline()
+        result = await run_agent(unwrapped_tools.model(fake_model), fixtures=Fixtures(**both_fail),
+                                 on_event=unwrapped_tools.event, limits=ROOMY)
+        no_events = agent_loop.Timeline()
+        result_without_events = await run_agent(no_events.model(fake_model), fixtures=no_events.tools(Fixtures()),
+                                                limits=ROOMY)
+        twice = agent_loop.Timeline()
+        for _ in range(2):
+            second = await run_agent(fake_model, fixtures=twice.tools(Fixtures(delays={})), on_event=twice.event,
+                                     limits=ROOMY)
+        for timeline, run, says in ((unwrapped_tools, result, "calls ran that were not recorded"),
+                                    (no_events, result_without_events, "did not see this run's events"),
+                                    (twice, second, "did not see this run's events")):
+            with self.subTest(says=says), self.assertRaises(ValueError) as raised:
+                timeline.text(run)
+            self.assertIn(says, str(raised.exception))
+
+    async def test_a_round_paid_but_stopped_before_its_model_was_asked_still_draws(self):
+        copy_of = agent_loop._copy
+
+        def slow_second_view(value, instead=None):  # the deadline passes while round 2's history is copied
+            if type(value) is list and len(value) == 1:
+                time.sleep(1.5)
+            return copy_of(value, instead)
+
+        self.allowBlockingSteps()
+        timeline = agent_loop.Timeline()
+        with unittest.mock.patch.object(agent_loop, "_copy", slow_second_view):
+            result = await self.drawn(timeline, Fixtures(delays={}), limits=Limits(5, 5, 30, 2, 5, 5, 1.0))
+        self.assertEqual((result["status"], result["used"]["rounds"], len(timeline.decisions)), ("deadline", 2, 1))
+        self.assertIn("deadline", timeline.text(result))
+
+    async def test_a_tools_own_timeout_marks_nothing_and_a_cut_one_marks_its_limit(self):
+        class OwnTimeout(Fixtures):
+            async def invoke(self, call):
+                await super().invoke(call)
+                raise TimeoutError()
+
+        timeline = agent_loop.Timeline()
+        result = await self.drawn(timeline, OwnTimeout(delays={}), limits=dataclasses.replace(ROOMY, rounds=1))
+        self.assertEqual(errors(result), ["tool_timeout", "tool_timeout"])
+        self.assertEqual(timeline.cut, set())
+        self.assertNotIn("^", timeline.text(result))
+        timeline = agent_loop.Timeline()
+        result = await self.drawn(timeline, Fixtures(delays={"north": 30, "south": 0}),
+                                  limits=Limits(rounds=1, tool_seconds=0.1, model_seconds=5, total_seconds=30))
+        self.assertEqual((errors(result), timeline.cut), (["tool_timeout"], {"r1-north"}))
+        self.assertIn("^ tool_seconds", timeline.text(result))
+
+    async def test_a_call_the_deadline_cut_is_marked_deadline_even_when_the_run_stopped_later(self):
+        def slow_watcher(event):  # holds the loop after the batch: the stop comes well after the cut
+            if event["event"] == "observations":
+                time.sleep(0.3)
+
+        self.allowBlockingSteps()
+        limits = Limits(tool_seconds=5, model_seconds=5, total_seconds=0.3)
+        timeline = agent_loop.Timeline(limits)
+        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures(delays={"north": 30,
+                                 "south": 30})), on_event=timeline.watching(slow_watcher), limits=limits)
+        marks = [line.strip() for line in timeline.text(result).splitlines() if line.strip().startswith("^")]
+        self.assertEqual((result["status"], errors(result), marks),
+                         ("deadline", ["tool_timeout", "tool_timeout"], ["^ deadline"]))
+
+    async def test_the_timelines_wrappers_refuse_what_run_agent_refuses(self):
+        class Model:
+            async def __call__(self, history):
+                return await fake_model(history)
+
+        timeline = agent_loop.Timeline()
+        for wrap, thing, message in ((timeline.model, Model, "model must be an async function of history"),
+                                     (timeline.model, None, "model must be an async function of history"),
+                                     (timeline.tools, object(), "fixtures must be an object with an async invoke(call) method"),
+                                     (timeline.tools, Fixtures, "fixtures must be an object with an async invoke(call) method"),
+                                     (timeline.watching, dict, "on_event must be a function or None")):
+            with self.subTest(thing=thing), self.assertRaises(ValueError) as raised:
+                wrap(thing)
+            self.assertEqual(str(raised.exception), message)
+
+    async def test_watching_hands_each_event_to_an_async_watcher_too(self):
+        seen = []
+
+        async def watcher(event):
+            await asyncio.sleep(0)
+            seen.append(event)
+
+        timeline = agent_loop.Timeline()
+        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures(delays={})),
+                                 on_event=timeline.watching(watcher), limits=ROOMY)
+        self.assertEqual(seen, result["trace"])
+        timeline.text(result)
+
+
+    async def test_a_run_recorded_in_part_is_a_value_error_for_every_drawing(self):
+        cases = [  # (what was left out, run_agent's arguments given a agent_loop.Timeline, the message)
+            ("timeline.model", lambda t: {"model": fake_model, "fixtures": t.tools(retrying()), "on_event": t.event},
+             "decisions were asked that this Timeline did not record: give run_agent timeline.model(model)"),
+            ("timeline.tools", lambda t: {"model": t.model(fake_model), "fixtures": retrying(), "on_event": t.event},
+             "calls ran that were not recorded: give run_agent fixtures=timeline.tools(...)"),
+            ("on_event", lambda t: {"model": t.model(fake_model), "fixtures": t.tools(retrying())},
+             "this Timeline did not see this run's events, or saw another run's too: give run_agent "
+             "on_event=timeline.event, one Timeline per run"),
+        ]
+        for left_out, arguments, message in cases:
+            timeline = agent_loop.Timeline()
+            result = await run_agent(**arguments(timeline), limits=ROOMY)
+            self.assertEqual((result["status"], result["used"]["rounds"]), ("completed", 4))
+            for draw in (timeline.lanes, timeline.text, timeline.svg):
+                with self.subTest(left_out=left_out, draw=draw.__name__):
+                    with self.assertRaises(ValueError) as raised:
+                        draw(result)
+                    self.assertEqual(str(raised.exception), message)
+
+    async def test_one_timeline_for_two_runs_draws_neither(self):
+        timeline = agent_loop.Timeline()
+        results = [await run_agent(timeline.model(fake_model), fixtures=timeline.tools(retrying()),
+                                   on_event=timeline.event, limits=ROOMY) for _ in range(2)]
+        for number, result in enumerate(results, 1):
+            for draw in (timeline.text, timeline.svg):
+                with self.subTest(run=number, draw=draw.__name__), self.assertRaises(ValueError):
+                    draw(result)
+
+    async def test_a_run_recorded_whole_draws_every_round(self):
+        timeline = agent_loop.Timeline()
+        result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(retrying()),
+                                 on_event=timeline.event, limits=ROOMY)
+        drawing = timeline.text(result)
+        self.assertEqual([line for line in drawing.splitlines() if line.startswith("round")],
+                         ["round 1", "round 2", "round 3", "round 4"])
+        self.assertEqual(drawing.count("  model "), 4)
+
+    async def test_a_watcher_that_edits_its_events_changes_neither_the_record_nor_the_drawing(self):
+        def meddle(event):
+            seen.append(event)
+            event["event"] = "edited"
+            event.pop("round", None)
+
+        async def meddle_async(event):
+            meddle(event)
+
+        for watcher in (meddle, meddle_async):
+            with self.subTest(watcher=watcher.__name__):
+                seen, timeline = [], agent_loop.Timeline()
+                result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(retrying()),
+                                         on_event=timeline.watching(watcher), limits=ROOMY)
+                self.assertEqual(len(seen), len(result["trace"]))  # the watcher saw every event
+                self.assertEqual([event for _, event in timeline.events], result["trace"])
+                self.assertTrue(timeline.text(result).splitlines()[-1].startswith("completed: "))
+
+
+# The README's examples, and the result-ownership experiment (result_ownership.py, verify_ownership.py,
+# expected.json)
 
 
 class ReadmeTests(RuntimeTestCase):
@@ -7609,6 +7196,576 @@ class OwnershipTests(unittest.IsolatedAsyncioTestCase):
             result_ownership.DeliveryBoundary(result_ownership.ReusedCache(), "copy_on_write")
 
 
+# ======================================================================================================================
+# The helpers the tests start: a fake provider for the SDK lane, a real MCP server, a throwaway PostgreSQL, and the
+# child processes that crash (each runs as `python3 test_agent_loop.py child NAME ...`).
+# ======================================================================================================================
+
+class Malformed(Exception):
+    """A request the real API would answer with HTTP 400."""
+
+
+def require(condition, message):
+    if not condition:
+        raise Malformed(message)
+
+
+def wire_arguments(value):
+    """Arguments as a provider reads them: the JSON object that text encodes, else the value as it came."""
+    if type(value) is str:
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return value
+        return parsed if type(parsed) is dict else value
+    return value
+
+
+def wire_text(content):
+    """A message's text: a string, or a list of text parts."""
+    if type(content) is str:
+        return content
+    require(type(content) is list and all(type(part) is dict for part in content), "content must be text or parts")
+    return "".join(part.get("text", "") for part in content)
+
+
+class Conversation:
+    """What a request says happened: the task, then rounds of calls, each answered by exactly one output."""
+
+    def __init__(self, task):
+        self.task, self.rounds, self.owner = task, [], {}
+
+    def call(self, call_id, name, arguments, new_round):
+        require(type(call_id) is str and call_id, "a tool call needs an id")
+        require(call_id not in self.owner, f"tool call id {call_id} appears twice")
+        require(type(name) is str and name, "a tool call needs a name")
+        if new_round or not self.rounds:
+            self.rounds.append({"calls": [], "outputs": {}})
+        self.rounds[-1]["calls"].append({"id": call_id, "name": name, "arguments": wire_arguments(arguments)})
+        self.owner[call_id] = self.rounds[-1]
+
+    def output(self, call_id, text, is_error=None):
+        require(call_id in self.owner, f"no tool call {call_id} for this output")
+        require(call_id not in self.owner[call_id]["outputs"], f"a second output for {call_id}")
+        require(type(text) is str, "a tool output must be a string")
+        require(is_error is None or type(is_error) is bool, "is_error must be a boolean")
+        self.owner[call_id]["outputs"][call_id] = {"text": text, "is_error": is_error}
+
+    def unanswered(self):
+        return [cid for cid, owner in self.owner.items() if cid not in owner["outputs"]]
+
+    def results(self):
+        """{tool name: [data of each successful output, in order]}, read back from the replayed outputs."""
+        done = {}
+        for record in self.rounds:
+            for item in record["calls"]:
+                result = json.loads(record["outputs"][item["id"]]["text"])
+                if result["ok"]:
+                    done.setdefault(item["name"], []).append(result["data"])
+        return done
+
+
+def offered_tools(body, key, schema_key):
+    tools = body.get("tools", [])
+    require(type(tools) is list, "tools must be a list")
+    names = []
+    for tool in tools:
+        declared = tool.get("function") if key == "chat" else tool
+        require(type(declared) is dict and type(declared.get("name")) is str, "a tool needs a name")
+        require(key == "messages" or tool.get("type") == "function", "a tool's type must be function")
+        require(type(declared.get(schema_key)) is dict and declared[schema_key].get("type") == "object",
+                f"a tool's {schema_key} must be a schema of type object")
+        names.append(declared["name"])
+    return names
+
+
+def read_responses(body):
+    items = body.get("input")
+    require(type(body.get("model")) is str, "model is required")
+    require(type(items) is list and items and all(type(item) is dict for item in items), "input must be a list of items")
+    require(items[0].get("role") == "user", "the first input item must be a user message")
+    talk, previous = Conversation(wire_text(items[0].get("content"))), None
+    for item in items[1:]:
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            require(set(item) == {"type", "call_id", "name", "arguments"}, "a function_call has unknown keys")
+            require(type(item["arguments"]) is str, "function_call arguments must be a string")
+            talk.call(item["call_id"], item["name"], item["arguments"], previous != "function_call")
+        elif kind == "function_call_output":
+            require(set(item) == {"type", "call_id", "output"}, "a function_call_output has unknown keys")
+            talk.output(item["call_id"], item["output"])
+        else:
+            require(kind == "message" and item.get("role") in ("user", "assistant"), "an unknown input item")
+            wire_text(item.get("content"))
+        previous = kind
+    require(not talk.unanswered(), "every function call needs its output")
+    return talk, offered_tools(body, "responses", "parameters")
+
+
+def read_chat(body):
+    messages = body.get("messages")
+    require(type(body.get("model")) is str, "model is required")
+    require(type(messages) is list and messages and all(type(m) is dict for m in messages), "messages must be a list")
+    require(messages[0].get("role") == "user", "the first message must be the user's")
+    talk, waiting = Conversation(wire_text(messages[0].get("content"))), set()
+    for m in messages[1:]:
+        role = m.get("role")
+        require(role == "tool" or not waiting, "tool_calls must be answered by tool messages before anything else")
+        if role == "tool":
+            require(set(m) == {"role", "tool_call_id", "content"} and m["tool_call_id"] in waiting,
+                    "a tool message must answer a waiting tool call")
+            waiting.discard(m["tool_call_id"])
+            talk.output(m["tool_call_id"], m["content"])
+        else:
+            require(role in ("user", "assistant"), "an unknown role")
+            tool_calls = m.get("tool_calls") or []
+            require(m.get("content") is not None or tool_calls, "a message needs content")
+            for index, tool_call in enumerate(tool_calls):
+                function = tool_call.get("function") or {}
+                require(tool_call.get("type") == "function" and type(function.get("arguments")) is str,
+                        "a tool call's arguments must be a string")
+                talk.call(tool_call.get("id"), function.get("name"), function["arguments"], index == 0)
+                waiting.add(tool_call["id"])
+    require(not waiting, "every tool call needs its tool message")
+    return talk, offered_tools(body, "chat", "parameters")
+
+
+def read_messages(body):
+    messages = body.get("messages")
+    require(type(body.get("model")) is str, "model is required")
+    require(type(body.get("max_tokens")) is int, "max_tokens is required")
+    require(type(messages) is list and messages and all(type(m) is dict for m in messages), "messages must be a list")
+    talk, expected = Conversation(wire_text(messages[0].get("content"))), []
+    for index, m in enumerate(messages):
+        require(m.get("role") == ("user", "assistant")[index % 2], "roles must alternate, starting with user")
+        blocks = m["content"] if type(m.get("content")) is list else [{"type": "text", "text": wire_text(m.get("content"))}]
+        if m["role"] == "user":
+            results = [block for block in blocks if block.get("type") == "tool_result"]
+            require(blocks[:len(results)] == results, "tool_result blocks must come first")
+            require(sorted(block.get("tool_use_id") for block in results) == sorted(expected),
+                    "each tool_use needs a tool_result in the next message, and no other")
+            for block in results:
+                require(set(block) <= {"type", "tool_use_id", "content", "is_error"}, "a tool_result has unknown keys")
+                talk.output(block["tool_use_id"], block.get("content"), block.get("is_error"))
+            expected = []
+        else:
+            uses = [block for block in blocks if block.get("type") == "tool_use"]
+            for number, block in enumerate(uses):
+                require(set(block) == {"type", "id", "name", "input"}, "a tool_use has unknown keys")
+                require(type(block["input"]) is dict, "a tool_use input must be an object")
+                talk.call(block["id"], block["name"], block["input"], number == 0)
+            expected = [block["id"] for block in uses]
+    require(not expected, "the last tool_use blocks were never answered")
+    return talk, offered_tools(body, "messages", "input_schema")
+
+
+def new_id(prefix):
+    return prefix + os.urandom(8).hex()
+
+
+def reply_responses(body, action):
+    cut = bool(action.get("cut_off"))
+    output = []
+    if "refusal" in action:
+        output.append({"id": new_id("msg_"), "type": "message", "role": "assistant", "status": "completed",
+                       "content": [{"type": "refusal", "refusal": action["refusal"]}]})
+    elif "text" in action:
+        output.append({"id": new_id("msg_"), "type": "message", "role": "assistant",
+                       "status": "incomplete" if cut else "completed",
+                       "content": [{"type": "output_text", "text": action["text"], "annotations": [], "logprobs": []}]})
+    for call_id, name, arguments in action.get("calls", ()):
+        output.append({"id": new_id("fc_"), "type": "function_call", "status": "completed", "name": name,
+                       "call_id": call_id or new_id("call_"),
+                       "arguments": arguments if type(arguments) is str else json.dumps(arguments)})
+    now = int(time.time())
+    return {"id": new_id("resp_"), "object": "response", "created_at": now, "model": body["model"], "output": output,
+            "status": "incomplete" if cut else "completed", "completed_at": None if cut else now, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "parallel_tool_calls": True, "tool_choice": "auto", "tools": body.get("tools", []),
+            "text": {"format": {"type": "text"}, "verbosity": "medium"},
+            "usage": {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                      "output_tokens": 5, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 15}}
+
+
+def reply_chat(body, action):
+    tool_calls = [{"id": call_id or new_id("call_"), "type": "function",
+                   "function": {"name": name, "arguments": arguments if type(arguments) is str else json.dumps(arguments)}}
+                  for call_id, name, arguments in action.get("calls", ())]
+    message = {"role": "assistant", "content": action.get("text"), "refusal": action.get("refusal"), "annotations": []}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    finish = "length" if action.get("cut_off") else "tool_calls" if tool_calls else "stop"
+    return {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()), "model": body["model"],
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
+
+
+def reply_messages(body, action):
+    text = action.get("refusal", action.get("text"))
+    content = [{"type": "text", "text": text}] if text is not None else []
+    content += [{"type": "tool_use", "id": call_id or new_id("toolu_"), "name": name, "input": wire_arguments(arguments)}
+                for call_id, name, arguments in action.get("calls", ())]
+    stop = ("refusal" if "refusal" in action else "max_tokens" if action.get("cut_off")
+            else "tool_use" if action.get("calls") else "end_turn")
+    return {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": body["model"], "content": content,
+            "stop_reason": stop, "stop_sequence": None,
+            "usage": {"input_tokens": 10, "output_tokens": 5, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
+
+
+PROVIDER_PATHS = {"/v1/responses": ("responses", read_responses, reply_responses),
+                  "/v1/chat/completions": ("chat", read_chat, reply_chat),
+                  "/v1/messages": ("messages", read_messages, reply_messages)}
+
+
+def error_body(api, status, text):
+    if api == "messages":
+        kind = "invalid_request_error" if status < 500 else "api_error"
+        return {"type": "error", "error": {"type": kind, "message": text}}
+    return {"error": {"message": text, "type": "invalid_request_error" if status < 500 else "server_error",
+                      "param": None, "code": None}}
+
+
+class ProviderHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def send(self, status, payload):
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        try:
+            self.wfile.write(data)
+        except OSError:  # the client stopped waiting
+            pass
+
+    def do_POST(self):
+        fake = self.server.fake
+        api, read, reply = PROVIDER_PATHS[self.path]
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        try:
+            talk, tools = read(body)
+        except (Malformed, AttributeError, KeyError, TypeError) as error:
+            fake.record(api, body, 400)
+            return self.send(400, error_body(api, 400, str(error)))
+        action = fake.brain(api, talk, tools)
+        while "sleep" in action:
+            time.sleep(action["sleep"])
+            action = action["then"]
+        status = action.get("status", 200)
+        fake.record(api, body, status)
+        self.send(status, reply(body, action) if status == 200 else error_body(api, status, "a fake failure"))
+
+
+class QuietServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        if not issubclass(sys.exc_info()[0], OSError):  # a client that hung up is no news; anything else is
+            super().handle_error(request, client_address)
+
+
+class FakeProvider:
+    """The three APIs on 127.0.0.1: each valid request is answered by brain(api, conversation, tool names), which
+    returns an action: {"calls": [(id or None, name, arguments)]}, {"text": ...}, {"refusal": ...},
+    {"cut_off": True, "text": ...}, {"status": 500}, or {"sleep": seconds, "then": action}."""
+
+    def __init__(self, brain):
+        self.brain, self.seen, self.lock = brain, [], threading.Lock()
+        self.server = None
+
+    @property
+    def url(self):
+        """The provider's address. Its server starts when the address is first asked for: a test that skips
+        because its SDK is missing starts nothing."""
+        if self.server is None:
+            self.server = QuietServer(("127.0.0.1", 0), ProviderHandler)
+            self.server.fake = self
+            # A short poll: shutdown() waits for the serving loop to look, 0.5 s at the default.
+            threading.Thread(target=self.server.serve_forever, args=(0.01,), daemon=True).start()
+        return "http://127.0.0.1:%d" % self.server.server_address[1]
+
+    def record(self, api, body, status):
+        with self.lock:
+            self.seen.append((api, body, status))
+
+    def statuses(self):
+        return [status for _, _, status in self.seen]
+
+    def close(self):
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+
+def inventory_brain(api, talk, tools):
+    """The inventory task, decided from the outputs the request replays: read both, plan from the rows, answer."""
+    done = talk.results()
+    reads = {data["partition"]: data["rows"] for data in done.get("read_partition", [])}
+    missing = [partition for partition in ("north", "south") if partition not in reads]
+    if missing:
+        return {"calls": [(None, "read_partition", {"partition": partition}) for partition in missing]}
+    if "compute_plan" not in done:
+        return {"calls": [(None, "compute_plan", {"rows": reads["north"] + reads["south"]})]}
+    return {"text": json.dumps(done["compute_plan"][-1])}
+
+
+def conversion_brain(api, talk, tools):
+    """The conversion task of the own-prototype tests, decided from the replayed outputs."""
+    done = talk.results()
+    if "get_rate" not in done:
+        return {"calls": [(None, "get_rate", {"base": "EUR", "quote": "USD"})]}
+    rate = done["get_rate"][-1]["rate_micros"]
+    if "convert" not in done:
+        return {"calls": [(None, "convert", {"amount_cents": AMOUNT, "rate_micros": rate})]}
+    converted = done["convert"][-1]
+    return {"text": json.dumps({key: converted[key] for key in ("amount_cents", "rate_micros", "converted_cents")})}
+
+def mcp_server():
+    """A real MCP server, written with the official package: the SDK lane's tests run it over stdio."""
+    from mcp.server.mcpserver import MCPServer
+    from mcp.server.mcpserver.exceptions import ToolError
+    from mcp.types import ToolAnnotations
+
+    server = MCPServer("inventory-test", log_level="WARNING")  # quiet about the isError results it sends
+    stock = {"A-1": 12, "B-2": 0}
+
+    @server.tool()
+    def read_stock(sku: str) -> dict[str, int]:
+        """Stock of one sku."""
+        return {"stock": stock.get(sku, 0)}
+
+    @server.tool()
+    def lookup(code: str) -> str:
+        """Country of a two-letter code."""
+        if code != "FR":
+            raise ToolError(f"unknown code {code!r}")
+        return "France"
+
+    @server.tool()
+    async def slow(seconds: float) -> str:
+        """Sleeps."""
+        if "MCP_STARTED" in os.environ:
+            open(os.environ["MCP_STARTED"], "w").close()
+        await asyncio.sleep(seconds)
+        return "slept"
+
+    @server.tool(annotations=ToolAnnotations(read_only_hint=True))
+    def write_note(text: str) -> str:
+        """Appends a note, though it hints that it only reads."""
+        with open(os.environ.get("MCP_NOTES", "notes.txt"), "a") as notes:
+            notes.write(text)
+        return "ok"
+
+    if "MCP_PIDFILE" in os.environ:
+        with open(os.environ["MCP_PIDFILE"], "w") as pidfile:
+            pidfile.write(str(os.getpid()))
+    server.run()
+
+
+def postgres_binaries():
+    """The folder of initdb and pg_ctl, or SkipTest saying what is missing."""
+    try:
+        import psycopg  # noqa: F401  (test-only: the SDK lane installs it)
+    except ImportError:
+        raise unittest.SkipTest("psycopg 3 is not installed (the SDK lane installs it)") from None
+    folders = [os.path.dirname(shutil.which("initdb") or ""), *sorted(glob.glob("/usr/lib/postgresql/*/bin"))[::-1]]
+    for folder in filter(None, folders):
+        if all(os.access(os.path.join(folder, name), os.X_OK) for name in ("initdb", "pg_ctl")):
+            return folder
+    raise unittest.SkipTest("PostgreSQL's initdb and pg_ctl are not installed")
+
+
+class ThrowawayPostgres:
+    """A PostgreSQL server in a folder of its own: started, then stopped and removed, even if the tests are killed
+    (a watchdog process does it when the pipe from this process closes)."""
+
+    def __init__(self, durable=False):
+        binaries = postgres_binaries()
+        self.as_server = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        if self.as_server and not shutil.which("runuser"):
+            raise unittest.SkipTest("running as root without runuser: PostgreSQL will not run as root")
+        self.folder = tempfile.mkdtemp(prefix="agent_loop_pg_")
+        self.pg_ctl, data = os.path.join(binaries, "pg_ctl"), os.path.join(self.folder, "data")
+        stop = [*self.as_server, self.pg_ctl, "stop", "-D", data, "-m", "immediate", "-w"]
+        watchdog = f"import shutil, subprocess, sys; sys.stdin.read(); subprocess.run({stop!r}, capture_output=True); " \
+                   f"shutil.rmtree({self.folder!r}, True)"
+        self.watchdog = subprocess.Popen([sys.executable, "-c", watchdog], stdin=subprocess.PIPE,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            if self.as_server:
+                shutil.chown(self.folder, "postgres", "postgres")
+            self.run(os.path.join(binaries, "initdb"), "-D", data, "-U", "postgres", "--auth=trust", "-E", "UTF8",
+                     "--locale=C", "--no-sync")
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                self.port = probe.getsockname()[1]
+            with open(os.path.join(data, "postgresql.auto.conf"), "w") as conf:
+                conf.write(f"listen_addresses = '127.0.0.1'\nport = {self.port}\nunix_socket_directories = "
+                           f"'{self.folder}'\nmax_connections = 40\n" + ("" if durable else "fsync = off\n"))
+            self.run(self.pg_ctl, "start", "-D", data, "-w", "-t", "60", "-l", os.path.join(self.folder, "log"))
+        except BaseException:
+            self.stop()
+            raise
+        self.conninfo = f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres connect_timeout=10"
+
+    def run(self, *command):
+        subprocess.run([*self.as_server, *command], cwd=self.folder, capture_output=True, check=True, timeout=120)
+
+    def stop(self):
+        self.watchdog.stdin.close()  # the watchdog stops the server and removes the folder
+        self.watchdog.wait(timeout=60)
+
+def crashing_run(path, run_id, crash, log):
+    """A named run in the SQLite store at path, each call's start logged; with crash "tool" or "model", it writes
+    log + ".ready" and hangs while both reads run, or while the second decision is made: the parent kills it there."""
+    class Logged(agent_loop.Fixtures):
+        async def invoke(self, call):
+            with open(log, "a") as file:  # every start, in every process: what ran, and how often
+                file.write(call["call_id"] + "\n")
+            if crash == "tool" and call["call_id"] == "r1-north":
+                while "r1-south" not in open(log).read().split():  # both reads have started: south runs, north hangs
+                    await asyncio.sleep(0.001)
+                open(log + ".ready", "w").close()
+                await asyncio.sleep(600)  # the parent kills us here
+            return await super().invoke(call)
+
+    async def model(history):
+        if crash == "model" and len(history) == 1:
+            open(log + ".ready", "w").close()
+            await asyncio.sleep(600)  # the parent kills us while the second decision is being made
+        return await fake_model(history)
+
+    async def main():
+        with agent_loop.SqliteStore(path) as store:
+            limits = Limits(tool_seconds=600, model_seconds=600, total_seconds=600, calls=8, credits=40)
+            result = await run_agent(model, store=store, run_id=run_id, fixtures=Logged(delays={}), limits=limits)
+        print(json.dumps(result))
+
+    asyncio.run(main())
+
+
+def child_command(name, *args):
+    """The command line that runs the child NAME of this file with args, in a Python of its own."""
+    flags = ["-O"] if sys.flags.optimize else []
+    return [sys.executable, *flags, os.path.join(HERE, "test_agent_loop.py"), "child", name, *args]
+
+
+def run_in_a_process(name, *args, kill_when=None):
+    """Run the child NAME in a Python of its own: to its end (its printed JSON), or SIGKILLed once kill_when exists."""
+    process = subprocess.Popen(child_command(name, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if kill_when is None:
+        out, err = process.communicate(timeout=120)
+        if process.returncode != 0:
+            raise AssertionError(err)
+        return json.loads(out)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(kill_when) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.kill()  # SIGKILL: nothing of the runtime runs after this, not even a finally
+    process.communicate(timeout=60)
+    if not os.path.exists(kill_when):
+        raise AssertionError("the crash never came")
+    return None
+
+
+
+
+def writing_run(store_path, service, ready, crash):
+    """The inventory's run with its order, against an order service of its own (a file: every effect of a key is a
+    row); with crash "after_apply", the order applies, ready is written, and it hangs: the parent kills it there."""
+    def service_db():
+        db = sqlite3.connect(service, isolation_level=None)
+        db.execute("CREATE TABLE IF NOT EXISTS effects (key TEXT, items TEXT)")
+        db.execute("CREATE TABLE IF NOT EXISTS asked (key TEXT)")
+        return db
+
+    class Desk(agent_loop.OrderDesk):
+        async def invoke(self, call):
+            if call["name"] != "place_order":
+                return await super().invoke(call)
+            service_db().execute("INSERT INTO effects VALUES (?, ?)", (call["idempotency_key"], "placed"))
+            if crash == "after_apply":
+                open(ready, "w").close()
+                await asyncio.sleep(600)  # applied; the parent kills us before its observation is saved
+            return {"order": "PO-1"}
+
+        async def reconcile(self, call):
+            db = service_db()
+            db.execute("INSERT INTO asked VALUES (?)", (call["idempotency_key"],))
+            applied = db.execute("SELECT COUNT(*) FROM effects WHERE key = ?", (call["idempotency_key"],)).fetchone()[0]
+            return {"applied": True, "data": {"order": "PO-1"}} if applied else {"applied": False}
+
+    async def main():
+        with agent_loop.SqliteStore(store_path) as store:
+            result = await run_agent(agent_loop.order_model, registry=agent_loop.ORDER_TOOLS,
+                                     accept=agent_loop.order_accepted, fixtures=Desk(delays={}), store=store,
+                                     run_id="order", approve=lambda write: "approve",
+                                     limits=Limits(tool_seconds=600, total_seconds=600))
+        print(json.dumps(result))
+
+    asyncio.run(main())
+
+
+def pool_worker(kind, where, name, crash):
+    """A worker of the pool, on SQLite or PostgreSQL (kind) at where: the README's worker loop over runs with writes,
+    printing a JSON line per claim and end; with crash "after_second_write", its second order applies, it says so,
+    and hangs: the test kills it there."""
+    def connect():
+        if kind == "sqlite":
+            return sqlite3.connect(where, isolation_level=None, timeout=30)
+        import psycopg
+        return psycopg.connect(where, autocommit=True)
+
+    def say(**line):
+        print(json.dumps({"worker": name, "at": time.time(), **line}), flush=True)
+
+    service, writes = connect(), []
+
+    class Desk(agent_loop.OrderDesk):  # the order service: a table of the same database, every effect of a key a row
+        def sql(self, statement, parameters):
+            cursor = service.cursor()
+            cursor.execute(statement.replace("?", "?" if kind == "sqlite" else "%s"), parameters)
+            return cursor
+
+        async def invoke(self, call):
+            if call["name"] != "place_order":
+                return await super().invoke(call)
+            self.sql("INSERT INTO effects VALUES (?, ?)", (call["idempotency_key"], name))
+            writes.append(call["idempotency_key"])
+            if crash == "after_second_write" and len(writes) == 2:
+                say(applied=call["idempotency_key"])
+                await asyncio.sleep(600)  # applied; the test kills this worker before the write's observation is saved
+            return {"order": call["idempotency_key"][:8]}
+
+        async def reconcile(self, call):
+            (count,) = self.sql("SELECT COUNT(*) FROM effects WHERE key = ?", (call["idempotency_key"],)).fetchone()
+            return {"applied": True, "data": {"order": call["idempotency_key"][:8]}} if count else {"applied": False}
+
+    async def main():
+        with agent_loop.SqlStore(connect, lease_seconds=1.0) as store:
+            while store.unfinished():  # the worker loop of the README, and a wait while every run left is leased
+                run_id = store.claim_next()
+                if run_id is None:
+                    await asyncio.sleep(0.05)
+                    continue
+                say(claimed=run_id)
+                result = await run_agent(
+                    agent_loop.order_model, registry=agent_loop.ORDER_TOOLS, accept=agent_loop.order_accepted,
+                    fixtures=Desk(delays={"north": 0.01, "south": 0.01}), store=store, run_id=run_id,
+                    approve=lambda write: "approve", limits=Limits(tool_seconds=30, total_seconds=120))
+                say(ended=run_id, status=result["status"])
+
+    asyncio.run(main())
+
+
+CHILDREN = {"mcp_server": mcp_server, "crashing_run": crashing_run, "writing_run": writing_run,
+            "pool_worker": pool_worker}  # what `python3 test_agent_loop.py child NAME ARGS` runs
+
+
 def postgres_connection(conninfo, schema):
     """A psycopg connection, in autocommit, whose tables are the schema's: a place for bench's figures."""
     import psycopg
@@ -7639,4 +7796,6 @@ def bench_beside_postgres(argv):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["bench"]:
         raise SystemExit(bench_beside_postgres(sys.argv[2:]))
+    if sys.argv[1:2] == ["child"]:
+        raise SystemExit(CHILDREN[sys.argv[2]](*sys.argv[3:]))
     unittest.main()
