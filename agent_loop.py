@@ -19,6 +19,7 @@ import math
 import multiprocessing
 import os
 import platform
+import queue
 import re
 import sqlite3
 import statistics
@@ -31,7 +32,7 @@ import unicodedata
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from functools import cached_property, partial
+from functools import cached_property, partial, wraps
 
 
 # PART 1: the read-only snapshot, strict schemas, the plan, the tool registry, limits and errors
@@ -529,10 +530,10 @@ async def bounded(factory, seconds, cancel, *, cancel_wait=None):
     end, job = loop.time() + seconds, asyncio.create_task(awaited())
     try:
         await asyncio.wait((job, cancel_wait), timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-        if cancel_wait.done() or cancel.is_set():  # a set cancel wins, even over a job that also finished
-            if cancel_wait.done():
-                cancel_wait.result()  # a wait on the event that failed raises what it raised: it is no cancel
+        if cancel.is_set() or _was_set(cancel_wait):  # a set cancel wins, even over a job that also finished
             raise Stop("cancelled")
+        if cancel_wait.done():  # the wait on the event failed, or something cancelled it: neither a cancel nor a time
+            raise _Fault(_CANCEL_WAIT_FAILED)
         # A job that held the loop past its limit (a slow copy, a blocking call) finished late, not within it.
         if not job.done() or loop.time() > end:
             raise TimeoutError
@@ -591,9 +592,17 @@ def scripted(*decisions):
 
 # PART 2, hard cases: a wait bounded on every side, and a job that raised what the runtime must not take as raised
 
+def _was_set(cancel_wait):
+    """True if the wait on the cancel event ended because the event was set (a set() undone at once still cancels)."""
+    return cancel_wait.done() and not cancel_wait.cancelled() and cancel_wait.exception() is None
+
+
+_CANCEL_WAIT_FAILED = "cancel event"  # the error_type of a wait on the cancel event that failed
+
+
 class _Fault(Exception):
-    """A job's failure that cannot be passed on as it was raised: it keeps the class of what was raised, never the
-    message."""
+    """A job's failure that cannot be passed on as it was raised: it keeps the class of what was raised (or
+    _CANCEL_WAIT_FAILED), never the message."""
 
     def __init__(self, raised):
         super().__init__(raised)
@@ -787,7 +796,7 @@ class Run:
 
     def time_left(self):
         """The seconds left; Stop("cancelled") once the run is cancelled, Stop("deadline") once none are left."""
-        if self.cancel.is_set() or self.cancel_wait.done():  # a cancel set and cleared at once still cancels
+        if self.cancel.is_set() or _was_set(self.cancel_wait):  # a cancel set and cleared at once still cancels
             raise Stop("cancelled")
         left = self.deadline - asyncio.get_running_loop().time()
         if left <= 0:
@@ -848,7 +857,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             run.used["rounds"] += 1
             run.used["credits"] += MODEL_COST
             await run.seam("spent")  # paid: a crash from here on keeps this round and its credits spent
-            decision = _copy(await _decision(run, model), _FOREIGN)  # our own copy, at once: later edits miss it
+            decision = await _decision(run, model)  # our own copy, made the moment the model returned it
             run.time_left()
 
             # Read the decision: a final answer, or a batch of calls that preflight admits whole.
@@ -1016,7 +1025,7 @@ class Part:
         return None
 
     @classmethod
-    def refused(cls, given):
+    async def refused(cls, given):
         """run_agent refused a run before it started (a ValueError): let go of what the part's options hold for it."""
 
 
@@ -1075,7 +1084,7 @@ async def _checked_run(model, limits, fixtures, cancel, registry, accept, on_ref
         for part in joined:
             await part.close(run, None)
         for kind in kinds:
-            kind.refused(options)
+            await kind.refused(options)
         raise
     run.parts, run.deadline = tuple(joined), loop.time() + limits.total_seconds  # (a resumed run's, less its past)
     run.cancel_wait = asyncio.create_task(cancel.wait())  # one wait on the cancel event, for the whole run
@@ -1205,10 +1214,9 @@ def _tool_failure(item, error):
 
 def _error_type(error):
     """The class name of what was raised (for a _Fault, of what was raised in the first place), at most 80 long."""
-    kind = type(error)
-    if kind is _Fault and isinstance(error.raised, type):
-        kind = error.raised
-    return kind.__name__[:80]
+    if type(error) is _Fault and error.raised == _CANCEL_WAIT_FAILED:
+        return _CANCEL_WAIT_FAILED
+    return (error.raised if type(error) is _Fault and isinstance(error.raised, type) else type(error)).__name__[:80]
 
 
 async def _called(function, *args):
@@ -1242,7 +1250,7 @@ async def _watch(run, event):
     if run.on_event is not None:
         with contextlib.suppress(Exception):
             event = _copy(event)  # its own copy: what it does to it changes neither the trace nor the run
-            if run.cancel.is_set() or run.cancel_wait.done():
+            if run.cancel.is_set() or _was_set(run.cancel_wait):
                 await bounded(lambda: _called(run.on_event, event), 1e-9, asyncio.Event())
             else:
                 seconds = max(min(run.limits.tool_seconds, run.deadline - asyncio.get_running_loop().time()), 1e-9)
@@ -1266,10 +1274,13 @@ async def _decision(run, model):
     """The model's decision, asked with its own copy of history, made fresh every round (it cannot edit ours, and it
     is gone once the model has decided); else Stop: model_timeout past its time, model_exception (not its message)
     if it raised."""
+    async def decided():  # copied in the very step the model returned it: nothing can edit it in between
+        return _copy(await model(view), _FOREIGN)
+
     view = _copy(run.history)
     seconds = min(run.limits.model_seconds, run.time_left())  # read after the copy, which takes time too
     try:
-        return await run.wait(lambda: model(view), seconds)
+        return await run.wait(decided, seconds)
     except TimeoutError:
         run.time_left()  # a cancel or the deadline explains the timeout better
         raise Stop("model_timeout") from None
@@ -1419,7 +1430,7 @@ class FunctionTools:
     never holds up a later call; a daemon, so nothing waits for it at exit). A thread cannot be cancelled: when the
     runtime stops waiting (a time limit, the deadline, a cancel), the call ends tool_timeout or cancelled and the
     thread runs on, its late result thrown away. `abandoned` lists those calls; `wait_abandoned` waits for them.
-    A write (PART 14) gets its idempotency_key as a keyword argument; `reconcile`, a function of a write's call,
+    A write (PART 10) gets its idempotency_key as a keyword argument; `reconcile`, a function of a write's call,
     says whether a write whose outcome is unknown applied."""
 
     def __init__(self, functions, reconcile=None):
@@ -2019,7 +2030,48 @@ class Store:
       unfinished(): the ids of the runs that have not ended, oldest first.
     A store that runs writes has a store_id: a string no other store has, that their keys are made of. A store with
     leases (SqlStore) has lease_seconds, renew(run_id, generation), release(run_id, generation) and give_back(run_id,
-    aside) too. Everything else (what a crash leaves, resuming, fencing, writes) is the runtime's: see _Journal."""
+    aside) too. Everything else (what a crash leaves, resuming, fencing, writes) is the runtime's: see _Journal. The
+    runtime calls a store's methods from a thread of the store's own (_thread), one at a time, never on the loop."""
+
+    @cached_property
+    def _thread(self):
+        return _StoreThread()
+
+
+class _StoreThread:
+    """A daemon thread that runs a store's calls one at a time, in the order they come: submit() gives a Future."""
+
+    def __init__(self):
+        self.calls, self.stopped = queue.SimpleQueue(), False
+        self.thread = threading.Thread(target=self._serve, name="agent_loop store", daemon=True)
+        self.thread.start()
+
+    def submit(self, function, *args):
+        if self.stopped:
+            raise RuntimeError("the store is closed")
+        future = concurrent.futures.Future()
+        self.calls.put((future, function, args))
+        return future
+
+    def _serve(self):
+        while (call := self.calls.get()) is not None:
+            future, function, args = call
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(function(*args))
+                except BaseException as error:  # in this thread even ^C is only this call's: a fault, by its class
+                    future.set_exception(error if isinstance(error, Exception) else _Fault(type(error)))
+
+    def stop(self):
+        if not self.stopped:
+            self.stopped = True
+            self.calls.put(None)
+
+
+async def _off_the_loop(store, method, *args):
+    """method(*args), run on the store's own thread: the loop goes on while the database works, and a slow or locked
+    statement delays only the run that made it."""
+    return await asyncio.wrap_future(store._thread.submit(method, *args))
 
 
 STORE_METHODS = ("load", "claim", "claimed", "save", "unfinished")
@@ -2092,7 +2144,7 @@ class _Journal(Part):
                 if given[name] is not None:
                     raise ValueError(f"{what}: give the store too")
             return None
-        if isinstance(store, type) or not all(callable(getattr(store, name, None)) for name in STORE_METHODS):
+        if not isinstance(store, Store) or not all(callable(getattr(store, name, None)) for name in STORE_METHODS):
             raise ValueError("store must be a store, such as a SqliteStore")
         _checked_run_id(run_id)
         if approve is not None and not _plain_function(approve):
@@ -2108,12 +2160,12 @@ class _Journal(Part):
         return journal
 
     @classmethod
-    def refused(cls, given):
-        """A run that claim_next leased to this store goes back, if run_agent refused it."""
-        give_back, run_id = getattr(given.get("store"), "give_back", None), given.get("run_id")
-        if callable(give_back) and type(run_id) is str:
+    async def refused(cls, given):
+        """A run that claim_next leased to this store goes back at once, whatever run_agent refused it for."""
+        store, run_id = given.get("store"), given.get("run_id")
+        if isinstance(store, Store) and callable(getattr(store, "give_back", None)) and type(run_id) is str:
             with contextlib.suppress(Exception):
-                give_back(run_id, aside=False)
+                await _off_the_loop(store, store.give_back, run_id, False)
 
     def __init__(self, run, store, run_id, approve, approvals, store_id):
         self.store, self.run_id, self.approve, self.approvals, self.store_id = store, run_id, approve, approvals, store_id
@@ -2127,21 +2179,20 @@ class _Journal(Part):
     async def _open(self, run):
         """Load, check, claim, load and check again: a ValueError gives back a lease claim_next or the claim took."""
         try:
-            saved = self._load(run)
+            saved = await self._load(run)
             self._check(run, saved)  # all that can refuse the run does so here, before a claim fences anyone
             if saved is None or saved["status"] is None:
                 # Claimed, then read again: what another process saved before the claim is this one's to go on from.
-                self.generation = self._stored(self.store.claim, self.run_id, self.config, time.time())
+                self.generation = await self._stored(self.store.claim, self.run_id, self.config, time.time())
                 self.holding = True
-                saved = self._load(run)
+                saved = await self._load(run)
                 self._check(run, saved)  # again: another process may have gone on with the run in between
         except ValueError:  # refused: a lease taken for it goes back (a run this code cannot resume, set aside)
-            give_back = getattr(self.store, "give_back", None)
             if self.holding:
                 await self.close(run, None)
-            elif callable(give_back):
+            elif callable(getattr(self.store, "give_back", None)):
                 with contextlib.suppress(Exception):
-                    give_back(self.run_id, aside=self.unresumable)
+                    await _off_the_loop(self.store, self.store.give_back, self.run_id, self.unresumable)
             raise
         state = saved["state"] if saved else _NOTHING_SAVED
         self.saved, self.saved_records, self.events = saved, [], 0
@@ -2152,18 +2203,17 @@ class _Journal(Part):
         self.elapsed = max(0.0, time.time() - saved["started"] - self.paused) if saved else 0.0
         run.writes = self.approve is not None or bool(self.approvals) or bool(self.writes)  # writes are opt in
 
-    def _stored(self, method, *args):
-        """A store's answer; ValueError if the store failed before the run could start (a lock held, a broken file)."""
+    async def _stored(self, method, *args):
+        """A store's answer, off the loop; ValueError, naming the class of what it raised, if the store failed before
+        the run could start (a lock held, a broken file)."""
         try:
-            return method(*args)
-        except ValueError:
-            raise
+            return await _off_the_loop(self.store, method, *args)
         except Exception as error:
             raise ValueError(f"{self.run_id}: the store failed: {_error_type(error)}") from None
 
-    def _load(self, run):
+    async def _load(self, run):
         """The run as saved, checked: ValueError for one of another version or config, or that is not such data."""
-        saved, why = self._stored(self.store.load, self.run_id), None
+        saved, why = await self._stored(self.store.load, self.run_id), None
         if saved is not None and not _a_saved_run(saved, run.registry, run.limits):
             why = "what the store holds for it is not a run this version saved"
         elif saved is not None and saved["config"] != self.config:
@@ -2260,7 +2310,7 @@ class _Journal(Part):
         approval used) in a transaction of its own, then gets its key."""
         if self.lost is None:
             try:
-                self.store.claimed(self.run_id, self.generation)
+                await _off_the_loop(self.store, self.store.claimed, self.run_id, self.generation)
             except Exception as error:
                 self.lost = _lost(error)
         if self.lost is not None:
@@ -2269,9 +2319,9 @@ class _Journal(Part):
             return call
         cid, key = item["call_id"], idempotency_key(self.run_id, item["call_id"], self.store_id)
         self.writes[cid]["started"] = True
+        self.given.add(cid)  # from here on it may be on its way: the lease is not let go until it is observed
         await run.emit({"event": "write", "round": run.history[-1]["round"], "call_id": cid, "idempotency_key": key,
                         **run.used}, spent=True)
-        self.given.add(cid)
         return {**call, "idempotency_key": key}
 
     async def after_call(self, run, obs, item):
@@ -2313,7 +2363,7 @@ class _Journal(Part):
         if self.holding and self.lost is None and callable(release) and not self.given - observed:
             self.holding = False
             with contextlib.suppress(Exception):  # not let go, it runs out
-                release(self.run_id, self.generation)
+                await _off_the_loop(self.store, release, self.run_id, self.generation)
         return value
 
     # The journal's own steps.
@@ -2331,7 +2381,8 @@ class _Journal(Part):
         first = len(run.history) - len(self.saved_records) if self.saved_records else 0
         records = [record for record in run.history[max(first, 0):] if record not in self.saved_records]
         try:
-            self.store.save(self.run_id, self.generation, self._state(run), records, run.trace[self.events:], end)
+            await _off_the_loop(self.store, self.store.save, self.run_id, self.generation, _copy(self._state(run)),
+                                _copy(records), _copy(run.trace[self.events:]), end)
         except Exception as error:  # Superseded, or the database's own error (a full disk, a lock held too long)
             self.lost = _lost(error)
             raise self.lost from None
@@ -2399,15 +2450,16 @@ class _Journal(Part):
         return _failure(item, "unknown_outcome", False, reason="the write may have applied: reconcile could not tell")
 
     def _renew_later(self):
-        """While the run holds a lease, renew it every third of it: a run that waits long keeps it."""
+        """While the run holds a lease, renew it every third of it, off the loop: a run that waits long keeps it."""
         seconds = getattr(self.store, "lease_seconds", None)
         if self.holding and self.lost is None and callable(getattr(self.store, "renew", None)) and \
                 type(seconds) in (int, float) and seconds > 0:
-            self.renewal = asyncio.get_running_loop().call_later(seconds / 3, self._renew)
+            self.renewal = asyncio.get_running_loop().create_task(self._renew(seconds / 3))
 
-    def _renew(self):
+    async def _renew(self, seconds):
+        await asyncio.sleep(seconds)
         try:
-            self.store.renew(self.run_id, self.generation)
+            await _off_the_loop(self.store, self.store.renew, self.run_id, self.generation)
         except Exception as error:  # fenced, or the store failed: the run stops at its next step, renewing no more
             self.lost = _lost(error)
             return
@@ -2580,33 +2632,58 @@ async def order_model(history):
 # PART 11: many workers, one database: runs leased to a pool of processes, on SQLite or on PostgreSQL
 #
 # A worker is a loop over the store's queue: claim the next run, run it, repeat. Start as many as you like, on one
-# machine (SQLite) or on several (PostgreSQL): a run is one worker's at a time, and a worker that dies holds its run
-# only until its lease runs out.
+# machine (SQLite) or on several (PostgreSQL): a run is one worker's at a time, and a worker that dies or freezes
+# holds its run only until its lease runs out.
+
+_LOCK_WAIT = 0.5  # seconds a PostgreSQL statement waits for a row another transaction holds, before it looks why
+_STALLED = 1.0  # seconds a transaction holding a run whose lease ran out may last before the store ends its session
+
+
+def _on_its_thread(method):
+    """The store's method, run on the store's own thread (at once, if called there): each store uses its connection
+    from one thread, one call at a time, so that a run's loop waits on none of them."""
+    @wraps(method)
+    def on_its_thread(store, *args):
+        if threading.current_thread() is store._thread.thread:
+            return method(store, *args)
+        return store._thread.submit(method, store, *args).result()
+    return on_its_thread
+
 
 class SqlStore(Store):
     """Runs saved in a SQL database that a pool of workers can share: SQLite, or PostgreSQL through your connection.
 
-    connection: a sqlite3 connection, or a psycopg 3 connection, in autocommit mode (sqlite3.connect(path,
-    isolation_level=None), psycopg.connect(conninfo, autocommit=True)): the store's transactions are its own. It is
-    yours: close it yourself. Or a function of no arguments that makes one: the store calls it once and closes what it
-    made in close(). The store makes its tables (agent_loop_*) beside any of yours, and puts an SQLite file in
-    write-ahead-log mode (a mode that stays); the module imports no driver.
+    connection: a sqlite3 connection, in autocommit (sqlite3.connect(path, isolation_level=None) or, on 3.12 and
+    later, autocommit=True) and usable from the store's thread (check_same_thread=False), or a psycopg 3 connection
+    in autocommit (psycopg.connect(conninfo, autocommit=True)), in a UTF8 (or SQL_ASCII) database: the store's
+    transactions are its own. It is yours: close it yourself. Or a function of no arguments that makes one: the
+    store calls it once, on its thread, and closes what it made in close(). The store makes its tables (agent_loop_*)
+    beside any of yours, and puts an SQLite file in write-ahead-log mode (a mode that stays); the module imports no
+    driver. Every call runs on the store's own thread, one at a time (yours wait for theirs): run_agent awaits them,
+    so that a slow or locked statement delays only the run that made it, never the loop.
 
     A lease: a claim holds its run for lease_seconds (30 by default) on the store's clock (time.time: workers on
-    several machines need their clocks in sync), held by this store object. Each save renews it, and a running run
-    renews it in the background every third of it (a renewal that fails stops the run, never tried again); a run
-    that ends, or pauses (PART 14), lets it go, unless its task was cancelled while a write ran. A save, a
-    renewal or a call started after the lease ran out is refused: Superseded "lease_expired", or "stale" once
-    another worker has claimed the run.
+    several machines need their clocks in sync), held by this store object, from the moment the claim took hold.
+    Each save renews it, and a running run renews it in the background every third of it (a renewal that fails
+    stops the run, never tried again); a run that ends, or pauses, lets it go, unless its task was cancelled while a
+    write ran. A save, a renewal or a call started after the lease ran out is refused: Superseded "lease_expired",
+    or "stale" once another worker has claimed the run.
 
     The queue: add(run_id) records a run that has not started; claim_next() leases the oldest unfinished run that no
-    live lease holds and that no pause holds (never started, crashed and past its lease, or let go) and returns its
-    id, or None; run_agent(..., store=store, run_id=that_id) runs it under that lease (one it refuses with a
-    ValueError is given back; set aside, waiting for you, if it was saved with another registry or other limits, or
-    is not a run it saved). A run claimed by name instead is taken over at once, its holder fenced. SQLite keeps a
-    writer at a time; PostgreSQL's claims skip the rows that another claim has locked (see _DIALECTS, all that
-    differs between them). Durability is the database's: SQLite's
-    here (the write-ahead log, synchronous=FULL), PostgreSQL's own (synchronous_commit)."""
+    live lease holds and that no pause holds (never started, crashed or frozen and past its lease, or let go) and
+    returns its id, or None (also while the database is too busy to tell); run_agent(..., store=store,
+    run_id=that_id) runs it under that lease (one it refuses with a ValueError is given back at once; set aside,
+    waiting for you, if it was saved with another registry or other limits, or is not a run it saved). A run claimed
+    by name instead is taken over, its holder fenced.
+
+    A worker that freezes (SIGSTOP, a debugger, a swapped-out machine) may freeze inside a transaction. On
+    PostgreSQL no statement waits on another's row for long (_LOCK_WAIT): a claim finds the run's locker, and once
+    the run's lease has run out and the locker's transaction has lasted _STALLED, ends its session (the store's role
+    may signal its own sessions): a frozen holder holds its run about one lease, then it is fenced, and its next
+    statement fails when it wakes. SQLite has one lock for the whole database, which no live process can take from
+    another: a worker frozen inside a transaction holds every writer until it wakes or dies. Meanwhile claim_next()
+    says None and a save waits out the connection's busy timeout, then stops its run store_failed. Durability is the
+    database's: SQLite's here (the write-ahead log, synchronous=FULL), PostgreSQL's own (synchronous_commit)."""
 
     def __init__(self, connection, lease_seconds=30.0, clock=time.time):
         if type(lease_seconds) not in (int, float) or not 0.1 <= lease_seconds <= 86_400:
@@ -2614,50 +2691,59 @@ class SqlStore(Store):
             raise ValueError("lease_seconds must be a number of seconds from 0.1 to a day")
         if not callable(clock) or not _gives_seconds(clock):
             raise ValueError("clock must be a function of no arguments that gives seconds, such as time.time")
-        made = _driver_of(connection) is None and callable(connection)
+        self.lease_seconds, self.clock, self.made, self.db = float(lease_seconds), clock, False, None
+        self.holder = os.urandom(8).hex()  # whose lease it is: this store object's
+        self.leased = {}  # run id: the generation claim_next leased it under, until a run claims it
+        self._thread = _StoreThread()
         try:
-            db = connection() if made else connection
+            self._open(connection)
+        except BaseException:
+            self.close()
+            raise
+
+    _name = "the database"
+
+    @_on_its_thread
+    def _open(self, connection):
+        self.made = _driver_of(connection) is None and callable(connection)
+        try:
+            db = connection() if self.made else connection
         except Exception as error:
             raise ValueError(f"the connection function failed: {_error_type(error)}") from None
         driver = _driver_of(db)
         if driver is None:
             raise ValueError("connection must be a sqlite3 or psycopg 3 connection, or a function that makes one")
-        self.db, self.made, self.dialect = db, made, _DIALECTS[driver]
-        self.lease_seconds, self.clock, self.error = float(lease_seconds), clock, sys.modules[driver].Error
-        self.holder = os.urandom(8).hex()  # whose lease it is: this store object's
-        self.leased = {}  # run id: the generation claim_next leased it under, until a run claims it
+        self.db, self.dialect, self.error = db, _DIALECTS[driver], sys.modules[driver].Error
         try:
             unfit = self.dialect["unfit"](db)
             if unfit:
                 raise ValueError(f"the connection {unfit}")
             self._made()
-        except (self.error, ValueError) as error:
-            self.close()
-            raise ValueError(str(error) if type(error) is ValueError else f"{self._name}: not a store") from None
-
-    _name = "the database"
+        except self.error as error:
+            raise ValueError(f"{self._name}: {self.dialect['trouble'](error) or 'not a store'}") from None
 
     def _sql(self, statement, parameters=()):
-        cursor = self.dialect["cursor"](self.db)  # its rows tuples, whatever the connection's row factory
+        cursor = self.dialect["cursor"](self.db)  # its rows tuples of str, whatever the connection's row factory
         cursor.execute(statement.replace("?", self.dialect["mark"]), parameters)
         return cursor
 
     def _made(self):
-        """The store's tables, made where they are not; ValueError for a store of another version, or broken."""
+        """The store's tables, made where they are not, in one transaction that writes (a store that cannot write,
+        or cannot get its lock, says so now); ValueError for a store of another version, or broken."""
         for statement in self.dialect["setup"]:
             self._sql(statement)
-        if "agent_loop_meta" not in {name for name, in self._sql(self.dialect["tables"])}:  # new: made here
-            with self._transaction(self.dialect["alone"]):  # one maker at a time, whichever process comes first
+        with self._transaction(self.dialect["alone"]):  # one maker at a time, whichever process comes first
+            if "agent_loop_meta" not in {name for name, in self._sql(self.dialect["tables"])}:  # new: made here
                 for statement in filter(str.strip, _STORE_TABLES.split(";")):
                     self._sql(statement)
                 for key, value in (("version", str(STORE_VERSION)), ("store", os.urandom(8).hex())):
                     self._sql("INSERT INTO agent_loop_meta VALUES (?, ?) ON CONFLICT (key) DO NOTHING", (key, value))
-                self._has_columns()  # here too: a table of one of those names that is yours undoes all of it
-        meta = dict(self._sql("SELECT key, value FROM agent_loop_meta").fetchall())
-        if meta.get("version") != str(STORE_VERSION) or type(meta.get("store")) is not str:
-            raise ValueError(f"{self._name}: a store of another version")
+            meta = dict(self._sql("SELECT key, value FROM agent_loop_meta").fetchall())
+            if meta.get("version") != str(STORE_VERSION) or type(meta.get("store")) is not str:
+                raise ValueError(f"{self._name}: a store of another version")
+            self._has_columns()  # a table of one of those names that is yours: not a store, and nothing is made
+            self._sql("UPDATE agent_loop_meta SET value = value WHERE key = 'version'")  # it writes, or says why not
         self.store_id = meta["store"]  # this store's own: its writes' keys are no other store's
-        self._has_columns()
 
     def _has_columns(self):
         """Nothing, if every table and column of a store is there; else the driver's error (not a store)."""
@@ -2668,8 +2754,8 @@ class SqlStore(Store):
     def _transaction(self, first=None, begin="begin"):
         self._sql(self.dialect[begin])  # SQLite: the write lock now, not at the first write
         try:
-            if first:
-                self._sql(first)
+            for statement in filter(None, (self.dialect["bounded"], first)):
+                self._sql(statement)
             yield
         except BaseException:
             with contextlib.suppress(self.error):  # a connection that broke rolls back on its own
@@ -2677,18 +2763,34 @@ class SqlStore(Store):
             raise
         self._sql("COMMIT")
 
+    def _held(self, run_id):
+        """The run's generation, holder and lease, its row locked until the transaction ends (in SQLite, the whole
+        database is); and the clock read once the lock is held: (generation, holder, lease_until, now)."""
+        row = self._sql("SELECT generation, holder, lease_until FROM agent_loop_runs WHERE run_id = ?"
+                        + self.dialect["lock"], (run_id,)).fetchone()
+        return (*(row or (None, None, None)), self.clock())
+
+    def _unstall(self, run_id=None):
+        """End the sessions that hold a run whose lease has run out (that one, or any) in a transaction that has
+        lasted _STALLED: a frozen worker's. Nothing on SQLite, whose one lock no process can take from another."""
+        if self.dialect["unstall"]:
+            self._sql(self.dialect["unstall"], (self.clock(), _STALLED, run_id, run_id)).fetchall()
+
+    @_on_its_thread
     def load(self, run_id):
         """The run as saved, or None (also for a run added that has not started): read in one transaction, a save
         made meanwhile by the run's holder all there or not at all."""
         with self._transaction(begin="read"):
             row = self._sql("SELECT config, started, generation, state, status, answer FROM agent_loop_runs "
                             "WHERE run_id = ?", (run_id,)).fetchone()
-            if row is None or row[0] is None:
+            if row is None:
                 return None
             config, started, generation, state, status, answer = row
             records = self._sql("SELECT body FROM agent_loop_records WHERE run_id = ? ORDER BY round",
                                 (run_id,)).fetchall()
             events = self._sql("SELECT body FROM agent_loop_events WHERE run_id = ? ORDER BY seq", (run_id,)).fetchall()
+        if config is None:  # added, never started; anything more is not what a store writes
+            return None if (state, status, answer, records, events) == (None, None, None, [], []) else {}
         try:
             return {"config": config, "started": started, "generation": generation, "state": json.loads(state),
                     "history": [json.loads(body) for body, in records], "trace": [json.loads(body) for body, in events],
@@ -2696,6 +2798,7 @@ class SqlStore(Store):
         except (TypeError, ValueError):  # not JSON text: not what a store writes
             return {}
 
+    @_on_its_thread
     def add(self, run_id):
         """Record a run that has not started, for claim_next; a run already there is left as it is."""
         _checked_run_id(run_id)
@@ -2703,65 +2806,88 @@ class SqlStore(Store):
             self._sql("INSERT INTO agent_loop_runs (run_id, generation, added) VALUES (?, 0, ?) "
                       "ON CONFLICT (run_id) DO NOTHING", (run_id, self.clock()))
 
+    @_on_its_thread
     def claim_next(self):
-        """Lease the oldest run that is free to run to this store, in one transaction, and return its id; or None."""
-        now = self.clock()
-        with self._transaction():
-            row = self._sql("SELECT run_id, generation FROM agent_loop_runs WHERE status IS NULL AND waits IS NULL AND "
-                            "(lease_until IS NULL OR lease_until <= ?) ORDER BY added, run_id LIMIT 1"
-                            + self.dialect["skip_locked"], (now,)).fetchone()
-            if row is None:
+        """Lease the oldest run that is free to run to this store, in one transaction, and return its id; or None,
+        also when the database is too busy to answer (a frozen SQLite writer holds its lock, say)."""
+        try:
+            self._unstall()
+            with self._transaction():
+                row = self._sql("SELECT run_id FROM agent_loop_runs WHERE status IS NULL AND waits IS NULL AND "
+                                "(lease_until IS NULL OR lease_until <= ?) ORDER BY added, run_id LIMIT 1"
+                                + self.dialect["skip_locked"], (self.clock(),)).fetchone()
+                if row is None:
+                    return None
+                generation, _, _, now = self._held(row[0])
+                generation += 1  # a new generation: a holder whose lease ran out is fenced
+                self._sql("UPDATE agent_loop_runs SET generation = ?, holder = ?, lease_until = ? WHERE run_id = ?",
+                          (generation, self.holder, now + self.lease_seconds, row[0]))
+        except self.error as error:
+            if self.dialect["trouble"](error) == _BUSY:
                 return None
-            run_id, generation = row[0], row[1] + 1  # a new generation: a holder whose lease ran out is fenced
-            self._sql("UPDATE agent_loop_runs SET generation = ?, holder = ?, lease_until = ? WHERE run_id = ?",
-                      (generation, self.holder, now + self.lease_seconds, run_id))
-        self.leased[run_id] = generation
-        return run_id
+            raise
+        self.leased[row[0]] = generation
+        return row[0]
 
+    @_on_its_thread
     def claim(self, run_id, config, started):
-        """The run's claim for this process: under the lease claim_next gave it, or taken over, fencing its holder."""
-        now, state = self.clock(), json.dumps(_NOTHING_SAVED)
-        with self._transaction():
-            self._sql("INSERT INTO agent_loop_runs (run_id, generation, added) VALUES (?, 0, ?) "
-                      "ON CONFLICT (run_id) DO NOTHING", (run_id, now))
-            generation, holder, until = self._sql("SELECT generation, holder, lease_until FROM agent_loop_runs "
-                                                  "WHERE run_id = ?" + self.dialect["lock"], (run_id,)).fetchone()
-            leased = self.leased.pop(run_id, None) == generation and holder == self.holder and \
-                (until or 0) > now
-            generation += 0 if leased else 1
-            self._sql("UPDATE agent_loop_runs SET generation = ?, holder = ?, lease_until = ?, config = COALESCE("
-                      "config, ?), started = COALESCE(started, ?), state = COALESCE(state, ?) WHERE run_id = ?",
-                      (generation, self.holder, now + self.lease_seconds, config, started, state, run_id))
-        return generation
+        """The run's claim for this process: under the lease claim_next gave it, or taken over, fencing its holder
+        (one frozen in a transaction once its lease has run out, on PostgreSQL)."""
+        state, end = json.dumps(_NOTHING_SAVED), time.monotonic() + self.lease_seconds + 4 * _STALLED
+        while True:
+            try:
+                with self._transaction():
+                    self._sql("INSERT INTO agent_loop_runs (run_id, generation, added) VALUES (?, 0, ?) "
+                              "ON CONFLICT (run_id) DO NOTHING", (run_id, self.clock()))
+                    generation, holder, until, now = self._held(run_id)
+                    leased = self.leased.pop(run_id, None) == generation and holder == self.holder and \
+                        (until or 0) > now
+                    generation += 0 if leased else 1
+                    self._sql("UPDATE agent_loop_runs SET generation = ?, holder = ?, lease_until = ?, config = "
+                              "COALESCE(config, ?), started = COALESCE(started, ?), state = COALESCE(state, ?) WHERE "
+                              "run_id = ?", (generation, self.holder, now + self.lease_seconds, config, started, state,
+                                             run_id))
+                return generation
+            except self.error as error:  # its row is locked: by a holder that is saving, or that froze doing so
+                if self.dialect["trouble"](error) != _BUSY or not self.dialect["unstall"] or time.monotonic() > end:
+                    raise
+                self._unstall(run_id)
+                time.sleep(_LOCK_WAIT / 5)
 
-    def _fenced(self, run_id, generation, now):
+    def _fenced(self, run_id, generation, held):
         """Superseded, saying why this store holds the run under generation no longer (None if it still does)."""
-        row = self._sql("SELECT generation, holder, lease_until FROM agent_loop_runs WHERE run_id = ?",
-                        (run_id,)).fetchone()
-        if row is None or row[0] != generation or row[1] != self.holder:
+        had, holder, until, now = held
+        if had != generation or holder != self.holder:
             return Superseded(run_id, "stale")
-        return None if row[2] is not None and row[2] > now else Superseded(run_id, "lease_expired")
+        return None if until is not None and until > now else Superseded(run_id, "lease_expired")
 
+    @_on_its_thread
     def claimed(self, run_id, generation):
         """Superseded unless this store still holds the run under generation, its lease running."""
-        fenced = self._fenced(run_id, generation, self.clock())
+        row = self._sql("SELECT generation, holder, lease_until FROM agent_loop_runs WHERE run_id = ?",
+                        (run_id,)).fetchone()
+        fenced = self._fenced(run_id, generation, (*(row or (None, None, None)), self.clock()))
         if fenced is not None:
             raise fenced
 
+    @_on_its_thread
     def renew(self, run_id, generation):
         """The lease extended by lease_seconds from now; Superseded if this store holds the run no longer."""
-        now = self.clock()
-        changed = self._sql("UPDATE agent_loop_runs SET lease_until = ? WHERE run_id = ? AND generation = ? AND "
-                            "holder = ? AND lease_until > ?",
-                            (now + self.lease_seconds, run_id, generation, self.holder, now)).rowcount
-        if changed != 1:
-            raise self._fenced(run_id, generation, now) or Superseded(run_id, "lease_expired")
+        with self._transaction():
+            held = self._held(run_id)
+            fenced = self._fenced(run_id, generation, held)
+            if fenced is not None:
+                raise fenced
+            self._sql("UPDATE agent_loop_runs SET lease_until = ? WHERE run_id = ?",
+                      (held[3] + self.lease_seconds, run_id))
 
+    @_on_its_thread
     def release(self, run_id, generation):
         """Let the run go, not ended: claim_next may give it to another worker at once."""
         self._sql("UPDATE agent_loop_runs SET holder = NULL, lease_until = NULL WHERE run_id = ? AND generation = ? "
                   "AND holder = ?", (run_id, generation, self.holder))
 
+    @_on_its_thread
     def give_back(self, run_id, aside=False):
         """Give back a run that claim_next leased to this store and no run claimed (run_agent refused it): free at
         once, or, aside, set aside: it waits for you, as a paused run does (one saved with another registry, other
@@ -2771,39 +2897,41 @@ class SqlStore(Store):
             self._sql("UPDATE agent_loop_runs SET holder = NULL, lease_until = NULL, waits = ? WHERE run_id = ? AND "
                       "generation = ? AND holder = ?", ("aside" if aside else None, run_id, generation, self.holder))
 
+    @_on_its_thread
     def save(self, run_id, generation, state, records, events, end=None):
         """What changed, in one transaction, if this store still holds the run; else Superseded. An end or a pause
         lets the lease go; any other save renews it."""
-        now, done = self.clock(), end is not None or state["paused_at"] is not None
-        status, answer = (None, None) if end is None else (end[0], json.dumps(end[1], ensure_ascii=False))
+        done = end is not None or state["paused_at"] is not None
+        status, answer = (None, None) if end is None else (end[0], json.dumps(end[1]))
         with self._transaction():
-            changed = self._sql(
-                "UPDATE agent_loop_runs SET state = ?, status = ?, answer = ?, waits = ?, holder = ?, "
-                "lease_until = ? WHERE run_id = ? AND generation = ? AND holder = ? AND lease_until > ?",
-                (json.dumps(state), status, answer, state["waits"] if end is None and done else None,
-                 None if done else self.holder,
-                 None if done else now + self.lease_seconds, run_id, generation, self.holder, now)).rowcount
-            if changed != 1:
-                raise self._fenced(run_id, generation, now) or Superseded(run_id, "lease_expired")
+            held = self._held(run_id)
+            fenced = self._fenced(run_id, generation, held)
+            if fenced is not None:
+                raise fenced
+            self._sql("UPDATE agent_loop_runs SET state = ?, status = ?, answer = ?, waits = ?, holder = ?, "
+                      "lease_until = ? WHERE run_id = ?",
+                      (json.dumps(state), status, answer, state["waits"] if end is None and done else None,
+                       None if done else self.holder, None if done else held[3] + self.lease_seconds, run_id))
             self.db.cursor().executemany(
                 "INSERT INTO agent_loop_records VALUES (?, ?, ?) ON CONFLICT (run_id, round) DO UPDATE SET body = "
                 "excluded.body".replace("?", self.dialect["mark"]),
-                [(run_id, record["round"], json.dumps(record, ensure_ascii=False)) for record in records])
+                [(run_id, record["round"], json.dumps(record)) for record in records])
             (last,) = self._sql("SELECT MAX(seq) FROM agent_loop_events WHERE run_id = ?", (run_id,)).fetchone()
-            first = 0 if last is None else last + 1
             self.db.cursor().executemany(
                 "INSERT INTO agent_loop_events VALUES (?, ?, ?)".replace("?", self.dialect["mark"]),
-                [(run_id, first + n, json.dumps(event, ensure_ascii=False)) for n, event in enumerate(events)])
+                [(run_id, (last or 0) + n, json.dumps(event)) for n, event in enumerate(events, 1)])
 
+    @_on_its_thread
     def unfinished(self):
         """The ids of the runs that have not ended, oldest first (those added and not started too)."""
         return [run_id for run_id, in self._sql("SELECT run_id FROM agent_loop_runs WHERE status IS NULL "
                                                 "ORDER BY added, run_id")]
 
     def close(self):
-        """Close the connection, if the store made it."""
-        if self.made:
-            self.db.close()
+        """Close the connection, if the store made it, and the store's thread; once closed, it stays closed."""
+        if self.made and self.db is not None and not self._thread.stopped:
+            self._thread.submit(self.db.close).result()
+        self._thread.stop()
 
     def __enter__(self):
         return self
@@ -2832,15 +2960,30 @@ def _driver_of(connection):
 
 _NOT_AUTOCOMMIT = "must be in autocommit mode: the store's transactions are its own"
 _IN_TRANSACTION = "has a transaction open: the store's transactions are its own"
+_BUSY = "busy: another connection holds its lock"  # what the store says of a database that kept it waiting
 
 
 def _sqlite3_unfit(db):
     """Why the store cannot work on this sqlite3 connection, or None."""
-    if db.isolation_level is not None or getattr(db, "autocommit", None) is False:
+    legacy = getattr(sqlite3, "LEGACY_TRANSACTION_CONTROL", -1)  # 3.12 added autocommit=True
+    autocommit = getattr(db, "autocommit", legacy)
+    if autocommit is not True and (autocommit != legacy or db.isolation_level is not None):
         return _NOT_AUTOCOMMIT
     if db.in_transaction:
         return _IN_TRANSACTION
-    return None if db.text_factory is str else "must give text as str (its text_factory)"
+    if db.text_factory is not str:
+        return "must give text as str (its text_factory)"
+    try:
+        db.execute("SELECT 1")
+    except sqlite3.ProgrammingError:  # made in another thread, with check_same_thread
+        return "must be usable from the store's thread: sqlite3.connect(..., check_same_thread=False), or a function"
+    return None
+
+
+def _sqlite3_trouble(error):
+    """What an SQLite error says of the database: busy, read-only, or None (not a store, or a failure)."""
+    code = getattr(error, "sqlite_errorcode", None)
+    return _BUSY if code in (5, 6) else "read-only: a store must write" if code == 8 else None  # BUSY, LOCKED, READONLY
 
 
 def _psycopg_unfit(db):
@@ -2849,7 +2992,18 @@ def _psycopg_unfit(db):
         return "is an asyncio one: the store needs a blocking connection (psycopg.connect)"
     if db.autocommit is not True:
         return _NOT_AUTOCOMMIT
-    return None if db.info.transaction_status == 0 else _IN_TRANSACTION  # 0: idle
+    if db.info.transaction_status != 0:  # 0: idle
+        return _IN_TRANSACTION
+    encoding = db.info.parameter_status("server_encoding")
+    if encoding not in ("UTF8", "SQL_ASCII"):
+        return f"is to a database in {encoding}, which cannot hold all of the store's text: it needs UTF8"
+    return None
+
+
+def _psycopg_trouble(error):
+    """What a PostgreSQL error says of the database: busy, read-only, or None (not a store, or a failure)."""
+    state = getattr(error, "sqlstate", None)
+    return _BUSY if state in ("55P03", "40P01") else "read-only: a store must write" if state == "25006" else None
 
 
 def _tuple_rows(cursor):
@@ -2857,33 +3011,49 @@ def _tuple_rows(cursor):
     return cursor
 
 
+def _text_rows(cursor):
+    """psycopg rows as tuples, text as str: a database in SQL_ASCII gives bytes, which the store wrote as UTF-8."""
+    return lambda values: tuple(value.decode() if type(value) is bytes else value for value in values)
+
+
 # Where SQLite and PostgreSQL differ, all in one place: the rest of the store's SQL runs on both as it is.
 _DIALECTS = {
     "sqlite3": {
         "mark": "?",  # a parameter's placeholder
         "unfit": _sqlite3_unfit,
+        "trouble": _sqlite3_trouble,
         "cursor": lambda db: _tuple_rows(db.cursor()),
         "setup": ("PRAGMA journal_mode=WAL", "PRAGMA synchronous=FULL"),  # a save has reached the disk
         "tables": "SELECT name FROM sqlite_master WHERE type = 'table'",
         "begin": "BEGIN IMMEDIATE",  # one writer at a time, from the transaction's start: claims never interleave
         "read": "BEGIN",  # a snapshot, from the first read on: the write-ahead log lets writers go on meanwhile
+        "bounded": None,  # a wait on the one lock is the connection's own busy timeout
         "alone": None,  # the tables are made under that same lock
         "lock": "",  # nothing more: the transaction holds the whole database
         "skip_locked": "",
+        "unstall": None,
     },
     "psycopg": {
         "mark": "%s",
         "unfit": _psycopg_unfit,
-        "cursor": lambda db: db.cursor(row_factory=sys.modules["psycopg.rows"].tuple_row),
+        "trouble": _psycopg_trouble,
+        "cursor": lambda db: db.cursor(row_factory=_text_rows),
         "setup": (),
         "tables": "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()",
         # Whatever the session's default: a statement waits for the rows another transaction has locked, and then
         # reads them as committed (under SERIALIZABLE, two claims at once would fail instead).
         "begin": "BEGIN ISOLATION LEVEL READ COMMITTED",
         "read": "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY",  # one snapshot for the whole read
+        "bounded": f"SET LOCAL lock_timeout = '{int(_LOCK_WAIT * 1000)}ms'",
         "alone": "SELECT pg_advisory_xact_lock(4807)",  # two processes making the tables at once would collide
-        "lock": " FOR UPDATE",  # the run's row locked until the claim commits
+        "lock": " FOR UPDATE",  # the run's row locked until the transaction ends
         "skip_locked": " FOR UPDATE SKIP LOCKED",  # a run another claim has locked is not this claim's
+        # The sessions whose open transaction, older than _STALLED, holds the row of a run whose lease ran out (the
+        # row's xmax is the holding transaction's id): ended, and waited for, a second at most.
+        "unstall": "SELECT pg_terminate_backend(l.pid, 1000) FROM agent_loop_runs r JOIN pg_locks l ON l.locktype = "
+                   "'transactionid' AND l.transactionid = r.xmax AND l.granted JOIN pg_stat_activity a ON a.pid = "
+                   "l.pid WHERE r.status IS NULL AND r.lease_until <= %s AND a.xact_start < clock_timestamp() - "
+                   "make_interval(secs => %s) AND l.pid <> pg_backend_pid() AND (%s::text IS NULL OR r.run_id = %s)",
     },
 }
 
@@ -2894,19 +3064,23 @@ class SqliteStore(SqlStore):
     write-ahead log needs that). Close it when done, or use it in a with block."""
 
     def __init__(self, path, lease_seconds=30.0, clock=time.time):
+        if not isinstance(path, (str, os.PathLike)):
+            raise ValueError("path must be the path of a file, or \":memory:\"")
         self.path = self._name = path
         try:
-            db = sqlite3.connect(path, isolation_level=None, timeout=5)  # autocommit: the transactions are ours
+            db = sqlite3.connect(path, isolation_level=None, timeout=5, check_same_thread=False)
         except sqlite3.Error:
             raise ValueError(f"{path}: cannot open it as a store") from None
         try:
             tables = {name for name, in db.execute(_DIALECTS["sqlite3"]["tables"])}
-        except sqlite3.DatabaseError:
-            tables = None
-        if tables is None or tables and "agent_loop_meta" not in tables:
+        except sqlite3.DatabaseError as error:
             db.close()
-            raise ValueError(f"{path}: not a store" + (" (its tables are another program's)" if tables else ""))
+            raise ValueError(f"{path}: {_sqlite3_trouble(error) or 'not a store'}") from None
+        if tables and "agent_loop_meta" not in tables:
+            db.close()
+            raise ValueError(f"{path}: not a store (its tables are another program's)")
         super().__init__(lambda: db, lease_seconds, clock)
+
 
 
 _STORE_TABLES = """
@@ -2923,7 +3097,6 @@ _STORE_COLUMNS = ("run_id, generation, added, config, started, state, status, an
                   "FROM agent_loop_runs", "run_id, round, body FROM agent_loop_records",
                   "run_id, seq, body FROM agent_loop_events")
 
-
 # ======================================================================================================================
 # Around the runtime. The module cut above this banner (with its __main__ block) is the whole runtime: your own tools,
 # refusals observed, the bridges, MCP, named runs, writes and the pool. Below it is only what serves around it: the
@@ -2931,7 +3104,7 @@ _STORE_COLUMNS = ("run_id, generation, added, config, started, state, status, an
 # ======================================================================================================================
 
 
-# PART 12: the scenario atlas: one small, deterministic run per stop status, the later parts' too
+# PART 14: the scenario atlas: one small, deterministic run per stop status, the later parts' too
 
 async def _hanging_model(history):
     await asyncio.sleep(10)
@@ -3198,7 +3371,7 @@ class _Atlas(Part):
     commands = {"scenarios": ("one small run per stop status, and why it stopped", _atlas_options, _atlas_command)}
 
 
-# PART 13: the benchmark: what parallel batches and bounded waits buy, what the runtime costs, and the store's and the
+# PART 15: the benchmark: what parallel batches and bounded waits buy, what the runtime costs, and the store's and the
 # pool's figures
 
 BENCH_WAIT = 0.05  # seconds each tool waits in the parallel-efficiency batches
@@ -3442,10 +3615,54 @@ def _show_postgres_store_cost(number, figures, cell):
     _show_store_cost(number, figures, cell, "PostgreSQL, synchronous_commit=on")
 
 
+BENCH_NAP = 0.02  # seconds each model of the runs side by side waits before it decides
+
+
+async def _side_by_side(place=None, runs=50, rounds=4):
+    """Milliseconds past BENCH_NAP that each model's wait took, while `runs` runs shared one loop (and one store of
+    place(), if given: their saves go on meanwhile)."""
+    late = []
+
+    async def model(history):  # each round: a nap, then one instant call (the last round: an answer)
+        start = asyncio.get_running_loop().time()
+        await asyncio.sleep(BENCH_NAP)
+        late.append(asyncio.get_running_loop().time() - start - BENCH_NAP)
+        number = len(history)
+        return {"kind": "final", "answer": "done"} if number == rounds - 1 else \
+            {"kind": "calls", "calls": [call(f"t{number}", "tick", n=number)]}
+
+    options = {"limits": _roomy(rounds, rounds), "fixtures": FunctionTools(_BENCH_FUNCTIONS),
+               "registry": _bench_registry(), "accept": _accepts_anything}
+    if place is None:
+        await asyncio.gather(*(run_agent(model, **options) for _ in range(runs)))
+    else:
+        with SqlStore(place()) as store:
+            await asyncio.gather(*(run_agent(model, store=store, run_id=f"r{n}", **options) for n in range(runs)))
+    return _spread(late, 1e3)
+
+
+async def _loop_waits(quick):
+    """The runs side by side: alone in their loop, then sharing one SQLite store (and one PostgreSQL store, if
+    BENCH_POSTGRES gives a place for it)."""
+    with tempfile.TemporaryDirectory() as folder:
+        figures = {"no store": await _side_by_side(), "SQLite": await _side_by_side(partial(_sqlite_place, folder))}
+    if BENCH_POSTGRES:
+        figures["PostgreSQL"] = await _side_by_side(BENCH_POSTGRES[0])
+    return figures
+
+
+def _show_loop_waits(number, figures, cell):
+    print(f"\n{number}. 50 runs in one loop, each model waiting {BENCH_NAP * 1000:.0f} ms a round: milliseconds past "
+          "the wait, alone and beside the others' saves to one store")
+    for where, spread in figures.items():
+        print(f"   {where:<10}  {cell(**spread)}")
+
+
 # The figures beyond the first four, each (name, async measure(quick) -> figures, show(number, figures, cell)).
 BENCH_PARTS = (("store_ms", _store_cost, _show_store_cost),
                ("postgres_store_ms", _postgres_store_cost, _show_postgres_store_cost),
-               ("pool_runs_per_second", _pool_throughput, _show_pool))
+               ("pool_runs_per_second", _pool_throughput, _show_pool),
+               ("loop_waits_ms", _loop_waits, _show_loop_waits))
 
 
 async def bench(quick=False, as_json=False):
@@ -3500,7 +3717,7 @@ class _Bench(Part):
                           _bench_options, lambda args, parser: bench(args.quick, args.json))}
 
 
-# PART 14: see a run: its decisions and calls drawn on a time axis
+# PART 16: see a run: its decisions and calls drawn on a time axis
 
 # The colour of a bar in SVG, by how its lane ended (a decision's lane by its kind).
 _COLOURS = {"ok": "#2f9e44", "temporary": "#f08c00", "tool_error": "#f08c00", "tool_timeout": "#e8590c",

@@ -16,6 +16,8 @@ import functools
 import gc
 import glob
 import http.server
+import importlib
+import importlib.util
 import inspect
 import io
 import itertools
@@ -2206,6 +2208,40 @@ class HostileInputTests(RuntimeTestCase):
                          ("tool_exception", "r1-north", "CancelledError"))
         self.assertNoTaskLeft()
 
+    async def test_a_model_or_tool_that_cancels_the_runs_wait_on_its_cancel_event_is_at_fault_and_no_cancel(self):
+        def cancel_the_wait():
+            for task in asyncio.all_tasks():
+                if task.get_coro().__qualname__ == "Event.wait":
+                    task.cancel()
+
+        class Rude(Fixtures):
+            async def invoke(self, call):
+                cancel_the_wait()
+                return await super().invoke(call)
+
+        async def rude(history):
+            cancel_the_wait()
+            await asyncio.sleep(0.01)
+            return await fake_model(history)
+
+        cancel = asyncio.Event()
+        result = await run_agent(fixtures=Rude(delays={}), cancel=cancel, limits=ROOMY)
+        self.assertEqual((result["status"], result["trace"][-1]["error_type"], cancel.is_set()),
+                         ("tool_exception", "cancel event", False))
+        result = await run_agent(rude, cancel=cancel, limits=ROOMY)
+        self.assertEqual((result["status"], result["trace"][-1]["error_type"]), ("model_exception", "cancel event"))
+        self.assertNoTaskLeft()
+
+    async def test_a_decision_the_model_edits_once_it_has_returned_it_is_read_as_it_was_returned(self):
+        async def model(history):
+            decision = calls(call("a", partition="north")) if not history else final(PLAN)
+            if not history:  # an edit the loop runs right after the model's step: a write in place of the read
+                asyncio.get_running_loop().call_soon(decision["calls"][0].update, {"name": "place_order"})
+            return decision
+
+        result = await run_agent(model, limits=dataclasses.replace(ROOMY, rounds=1))
+        self.assertEqual((result["status"], result["history"][0]["calls"]), ("round_limit", [call("a", partition="north")]))
+
     async def test_other_base_exceptions_from_a_model_or_a_tool_are_their_fault(self):
         faults = [GeneratorExit(), CustomBase(), BaseExceptionGroup("group", [GeneratorExit()])]
         for fault in faults:
@@ -2915,7 +2951,7 @@ def cut_module(folder, end=CORE_END):
 
 # The classes of the runtime's later parts (PART 6-11), that the module cut at the banner runs as the whole does.
 RUNTIME_TESTS = ("FunctionToolsTests", "ObservedRefusalTests", "ProviderBridgeTests", "McpTests", "SavedRunTests",
-                 "WriteTests", "LeaseTests")
+                 "WriteTests", "LeaseTests", "SqliteLeaseTests")
 ALONE = {}  # the runs of a cut file's tests, by name: started when the whole suite loads, as they are slow
 
 
@@ -3539,7 +3575,7 @@ def closed(**property_schema):
 
 
 class ProviderBridgeTests(RuntimeTestCase):
-    """PART 10: the three bridges on literal replies: tools offered, replies read, history replayed, what never answers."""
+    """PART 8: the three bridges on literal replies: tools offered, replies read, history replayed, what never answers."""
 
     def test_the_tools_offered_are_exactly_the_inventorys_strict_declarations(self):
         responses = [{"type": "function", "name": name, "description": tool["description"],
@@ -4059,22 +4095,19 @@ class ProviderBridgeTests(RuntimeTestCase):
 # against a fake provider on 127.0.0.1. `python3 -m unittest` skips these (it needs the standard library
 # only); .ci/run installs pinned SDKs in a throwaway virtual environment and runs the whole suite there.
 
-try:
-    import openai
-except ImportError:
-    openai = None
-try:
-    import anthropic
-except ImportError:
-    anthropic = None
+def installed(package):
+    """True if the official package is installed here: it is imported only by the test that needs it, so that the
+    suite (and each child process of it) does not pay for what it does not use."""
+    return importlib.util.find_spec(package) is not None
 
 
-SDK_MISSING = {"responses": openai is None, "chat": openai is None, "messages": anthropic is None}
+
+SDK_MISSING = {"responses": not installed("openai"), "chat": not installed("openai"), "messages": not installed("anthropic")}
 MAKE_MODEL = {"responses": later("responses_model"), "chat": later("chat_model"), "messages": later("messages_model")}
 
 
 class SdkLaneTests(RuntimeTestCase):
-    """PART 10: the bridges through the official SDKs and a fake provider; each test skips where its SDK is missing."""
+    """PART 8: the bridges through the official SDKs and a fake provider; each test skips where its SDK is missing."""
 
     async def asyncSetUp(self):
         self.allowBlockingSteps()  # an SDK's first request builds its models on the loop
@@ -4091,8 +4124,10 @@ class SdkLaneTests(RuntimeTestCase):
                           "(.ci/run installs it in its SDK lane)")
         options = {"api_key": "test", "max_retries": 0, "timeout": 30, **client_options}
         if api == "messages":
+            anthropic = importlib.import_module("anthropic")
             client = (anthropic.AsyncAnthropic if asynchronous else anthropic.Anthropic)(base_url=fake.url, **options)
         else:
+            openai = importlib.import_module("openai")
             client = (openai.AsyncOpenAI if asynchronous else openai.OpenAI)(base_url=fake.url + "/v1", **options)
         if asynchronous:
             self.addAsyncCleanup(client.close)
@@ -4161,7 +4196,7 @@ class SdkLaneTests(RuntimeTestCase):
                               timeout=120, check=False)
 
     async def test_the_readmes_real_model_example_runs_as_written(self):
-        if openai is None or anthropic is None:
+        if not installed("openai") or not installed("anthropic"):
             self.skipTest("the official openai and anthropic packages are not installed (.ci/run installs them)")
         example = code_blocks(readme_section("Connect a real model"), "python")[0]
         fake = self.provider(inventory_brain)
@@ -4170,7 +4205,7 @@ class SdkLaneTests(RuntimeTestCase):
         self.assertEqual(done.stdout.splitlines(), [f"completed {PLAN}"] * 3)
 
     async def test_the_readmes_own_task_runs_unchanged_with_a_real_model(self):
-        if openai is None:
+        if not installed("openai"):
             self.skipTest("the official openai package is not installed (.ci/run installs it)")
         (scripted_block,) = code_blocks(readme_section("Copy it into your own prototype"), "python")
         real_block = textwrap.dedent('''
@@ -4350,7 +4385,7 @@ class ReturningSession:
 
 
 class McpTests(RuntimeTestCase):
-    """PART 11: MCP tools: only the tools you name are registered, their results become plain data, and calls are bounded."""
+    """PART 9: MCP tools: only the tools you name are registered, their results become plain data, and calls are bounded."""
 
     def test_only_the_tools_you_name_are_registered_whatever_the_server_hints(self):
         for how, listed in (("the protocol's dict", LISTED), ("the SDK's dump", snake_case(LISTED)),
@@ -4542,29 +4577,24 @@ class McpTests(RuntimeTestCase):
                     tools = agent_loop.McpTools(ReturningSession(shape))
                     self.assertEqual(await tools.invoke(call("s", "read_stock", sku="CUP")), data)
 
-try:
-    from mcp import ClientSession, StdioServerParameters
-    from mcp.client.stdio import stdio_client
-except ImportError:
-    ClientSession = None
-
-
 class McpServerTests(RuntimeTestCase):
-    """PART 11: a real MCP server over stdio under the runtime; skipped, saying why, without the official mcp package."""
+    """PART 9: a real MCP server over stdio under the runtime; skipped, saying why, without the official mcp package."""
 
     async def asyncSetUp(self):
-        if ClientSession is None:
+        if not installed("mcp"):
             self.skipTest("the official mcp package is not installed (.ci/run installs it in its SDK lane)")
+        mcp = importlib.import_module("mcp")
+        self.session, self.stdio = mcp.ClientSession, importlib.import_module("mcp.client.stdio").stdio_client
         self.allowBlockingSteps()
         folder = tempfile.mkdtemp()
         self.addCleanup(shutil.rmtree, folder)
         self.files = {name: os.path.join(folder, name) for name in ("MCP_PIDFILE", "MCP_STARTED", "MCP_NOTES")}
-        self.server = StdioServerParameters(command=sys.executable, args=child_command("mcp_server")[1:], env=self.files)
+        self.server = mcp.StdioServerParameters(command=sys.executable, args=child_command("mcp_server")[1:], env=self.files)
         self.log = open(os.path.join(folder, "server.log"), "w")  # what the server says on stderr stays out of ours
         self.addCleanup(self.log.close)
 
     async def test_a_real_servers_tools_run_under_the_runtime_and_its_hints_grant_nothing(self):
-        async with stdio_client(self.server, self.log) as (read, write), ClientSession(read, write) as session:
+        async with self.stdio(self.server, self.log) as (read, write), self.session(read, write) as session:
             await session.initialize()
             listed = await session.list_tools()
             hinted = {tool.name for tool in listed.tools if tool.annotations and tool.annotations.read_only_hint}
@@ -4612,7 +4642,7 @@ class McpServerTests(RuntimeTestCase):
         self.assertEqual((result["status"], errors(result)), ("completed", ["tool_error"]))
 
     async def test_a_server_killed_in_the_middle_of_a_call_ends_it_tool_exception(self):
-        async with stdio_client(self.server, self.log) as (read, write), ClientSession(read, write) as session:
+        async with self.stdio(self.server, self.log) as (read, write), self.session(read, write) as session:
             await session.initialize()
             registry = agent_loop.mcp_registry(await session.list_tools(), read_only=("slow",))
 
@@ -4636,7 +4666,7 @@ class McpServerTests(RuntimeTestCase):
 
 
 class StoreTestCase(RuntimeTestCase):
-    """Tests of runs saved in a store (PART 13 on): each test's SqliteStore, closed after it."""
+    """Tests of runs saved in a store (PART 10 on): each test's SqliteStore, closed after it."""
 
     def store(self, path=":memory:"):
         store = agent_loop.SqliteStore(path)
@@ -4645,7 +4675,7 @@ class StoreTestCase(RuntimeTestCase):
 
 
 class SavedRunTests(StoreTestCase):
-    """PART 13: a named run, saved in SQLite at each step that spends, resumed where it stopped after a crash."""
+    """PART 10: a named run, saved in SQLite at each step that spends, resumed where it stopped after a crash."""
 
     def folder(self):
         folder = tempfile.mkdtemp(prefix="agent_loop_store_")
@@ -4681,6 +4711,44 @@ class SavedRunTests(StoreTestCase):
         # Once to resume, a save per step that spends (3 decisions paid, 2 batches admitted, 1 serial call, 2 batches
         # observed), the gate before each batch, the end.
         self.assertEqual(seen, {"resume": 1, "spent": 8, "gate": 2, "end": 1})
+
+    async def test_whatever_a_store_of_yours_raises_stops_the_run_store_failed_by_its_class(self):
+        class Interrupted(BaseException):
+            pass
+
+        for raised in (RuntimeError("private"), Interrupted("private"), asyncio.CancelledError("private"),
+                       KeyboardInterrupt()):
+            with self.subTest(raised=type(raised).__name__):
+                store = dict_store()
+                save = store.save
+
+                def failing(*args, raised=raised, save=save):
+                    if args[3]:  # once it has records: the first batch admitted
+                        raise raised
+                    return save(*args)
+
+                store.save = failing
+                result = await run_agent(store=store, run_id="job", limits=ROOMY)
+                self.assertEqual((result["status"], result["trace"][-1]["error_type"]),
+                                 ("store_failed", type(raised).__name__))
+                self.assertNoPrivateText(result)
+        store = dict_store()
+        store.load = lambda run_id: (_ for _ in ()).throw(ValueError("private"))
+        await self.assertRefusedBeforeTheModelIsAsked("job: the store failed: ValueError", store=store, run_id="job")
+        for path in (None, 5):
+            with self.subTest(path=path), self.assertRaises(ValueError) as raised:
+                agent_loop.SqliteStore(path)
+            self.assertEqual(str(raised.exception), 'path must be the path of a file, or ":memory:"')
+
+    async def test_a_run_whose_config_was_erased_by_hand_is_not_taken_for_a_new_one(self):
+        store = self.store()
+        paused = await run_agent(agent_loop.order_model, registry=agent_loop.ORDER_TOOLS, fixtures=agent_loop.OrderDesk(),
+                                 accept=agent_loop.order_accepted, store=store, run_id="job", approve=lambda w: "ask",
+                                 limits=ROOMY)
+        self.assertEqual(paused["status"], "awaiting_approval")
+        store.db.execute("UPDATE agent_loop_runs SET config = NULL")
+        await self.assertRefusedBeforeTheModelIsAsked("job: what the store holds for it is not a run this version saved",
+                                                      store=store, run_id="job")
 
     async def test_a_store_needs_a_run_id_of_1_to_80_printable_characters_refused_before_the_model_is_asked(self):
         store = self.store()
@@ -5249,7 +5317,7 @@ def dict_store(store_id=None):
 
 
 class WriteTests(StoreTestCase):
-    """PART 14: writes: an approval before any call of the batch starts, an idempotency key, unknown outcomes settled."""
+    """PART 10: writes: an approval before any call of the batch starts, an idempotency key, unknown outcomes settled."""
 
     async def order(self, store, desk=None, model=None, **options):
         """The inventory task with its order, in the store, as run "order"."""
@@ -5863,8 +5931,8 @@ class WriteTests(StoreTestCase):
 # temporary folder, on a loopback port, run as the postgres user when the tests run as root, always removed.
 
 
-class LeaseTests(RuntimeTestCase):
-    """PART 15: runs leased to workers: the lease, the queue, fencing, and a pool of processes, here on SQLite."""
+class LeaseCase(RuntimeTestCase):
+    """The database a test of leases runs on (an SQLite file here; PostgresLeaseTests' server), and its workers."""
 
     def setUp(self):
         self.folder = tempfile.mkdtemp(prefix="agent_loop_pool_")
@@ -5882,6 +5950,30 @@ class LeaseTests(RuntimeTestCase):
     def free(self, run_id):
         """A saved state of nothing used, for a store's own methods."""
         return {"used": {"rounds": 0, "calls": 0, "credits": 0}, "paused": 0.0, "paused_at": None}
+
+    def kind(self):
+        return "sqlite" if "://" not in self.where and "host=" not in self.where else "postgres"
+
+    def frozen(self, run_id, freeze="between"):
+        """A worker process that holds run_id, frozen with SIGSTOP inside a save's transaction; it is woken at the
+        end of the test, and its log is returned."""
+        ready = os.path.join(self.folder, f"{run_id}.ready")
+        log = open(os.path.join(self.folder, f"{run_id}.log"), "w+")
+        self.addCleanup(log.close)
+        worker = subprocess.Popen(child_command("frozen_worker", self.kind(), self.where, run_id, ready, freeze),
+                                  stdout=log, stderr=subprocess.STDOUT)
+        self.addCleanup(worker.wait, 60)
+        self.addCleanup(worker.kill)  # (a stopped process dies of SIGKILL too)
+        end = time.monotonic() + 60
+        while not os.path.exists(ready):
+            self.assertTrue(worker.poll() is None and time.monotonic() < end, "the worker never froze")
+            time.sleep(0.01)
+        os.kill(worker.pid, signal.SIGSTOP)
+        return worker, log
+
+
+class LeaseTests(LeaseCase):
+    """PART 11: runs leased to workers: the lease, the queue, fencing, and a pool of processes, here on SQLite."""
 
     def test_the_chapters_lease_example_with_a_clock_of_the_tests_own(self):
         now = [1.0]
@@ -5930,14 +6022,15 @@ class LeaseTests(RuntimeTestCase):
     async def test_a_worker_whose_lease_ran_out_is_fenced_says_which_and_starts_nothing_more(self):
         now = [1.0]
 
-        class Late(Fixtures):  # each read takes longer than the lease, on the store's clock
+        class Late(Fixtures):  # the reads take longer than the lease, on the store's clock
             def __init__(self, then):
                 super().__init__(delays={})
                 self.then = then
 
             async def invoke(self, call):
-                now[0] += 5
-                self.then()
+                if self.started == ["r1-north"]:  # both have started: the second one's
+                    now[0] += 5
+                    self.then()
                 return await super().invoke(call)
 
         cases = {"its lease ran out": lambda b: lambda: None,  # and nobody has taken the run
@@ -6026,6 +6119,85 @@ class LeaseTests(RuntimeTestCase):
                 got = list(pool.map(claim, stores))  # a driver's error (a SerializationFailure, say) comes out here
             self.assertEqual(sorted(filter(None, got)), [f"t{trial}-{n}" for n in range(3)])
             self.assertEqual(got.count(None), len(stores) - 3)
+
+    async def test_a_save_that_waits_on_the_database_leaves_the_loop_running(self):
+        saving, ticks = threading.Event(), []
+
+        class Slow(agent_loop.SqlStore):
+            def save(self, *args, **kwargs):
+                saving.set()
+                time.sleep(0.1)  # a slow or locked statement: on the store's thread
+                saving.clear()
+                return super().save(*args, **kwargs)
+
+        async def tick():
+            while True:
+                await asyncio.sleep(0.005)
+                ticks.append(saving.is_set())
+
+        store = Slow(self.connect)
+        self.addCleanup(store.close)
+        ticker = asyncio.create_task(tick())
+        result = await run_agent(store=store, run_id="job", limits=SLOW_ROOMY)
+        ticker.cancel()
+        self.assertEqual(result["status"], "completed")
+        self.assertGreater(ticks.count(True), 0)  # the loop ticked while saves ran
+
+    def test_a_lease_runs_from_the_moment_its_claim_took_hold(self):
+        now = [1.0]
+        store = self.store(lease_seconds=2, clock=lambda: now[0])
+        store.add("job")
+        blocker = self.connect()
+        self.addCleanup(blocker.close)
+        lock = ("BEGIN IMMEDIATE", None) if self.kind() == "sqlite" else \
+            ("BEGIN", "SELECT * FROM agent_loop_runs WHERE run_id = 'job' FOR UPDATE")
+        for statement in filter(None, lock):
+            blocker.cursor().execute(statement)  # another transaction holds the lock the claim needs
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            claiming = pool.submit(store.claim, "job", "{}", 1.0)
+            time.sleep(0.3)
+            self.assertFalse(claiming.done())  # waiting for the lock
+            now[0] = 4.0  # 3 seconds later: a lease from the clock read before the lock would have run out
+            blocker.cursor().execute("COMMIT")
+            self.assertEqual(claiming.result(timeout=60), 1)
+        (until,) = store._sql("SELECT lease_until FROM agent_loop_runs WHERE run_id = 'job'").fetchone()
+        self.assertEqual(until, 6.0)
+        now[0] = 5.0
+        store.save("job", 1, self.free("job"), [], [])  # not born expired: its first save holds
+
+    async def test_a_run_that_run_agent_refuses_after_claim_next_is_given_back_at_once(self):
+        functions = agent_loop.FunctionTools({"get_rate": lambda base, quote: {}})
+        cases = {"bad limits": {"limits": Limits(rounds=-1)},
+                 "an approval for a call that waits for none": {"approvals": {"nope": "approve"}},
+                 "tools without a function the registry names": {"fixtures": functions, "registry": CONVERSION_TOOLS,
+                                                                  "accept": never_accept}}
+        a, b = self.store(), self.store()
+        for why, options in cases.items():
+            with self.subTest(why=why):
+                a.add(why)
+                self.assertEqual(a.claim_next(), why)
+                with self.assertRaises(ValueError):
+                    await run_agent(store=a, run_id=why, **options)
+                self.assertEqual(b.claim_next(), why)  # free at once, not after lease_seconds (b holds it now)
+
+    async def test_a_hand_edited_store_is_refused_with_a_value_error_only_and_set_aside(self):
+        store = self.store()
+        held = Fixtures(delays={"north": 30, "south": 30})
+        task = asyncio.create_task(run_agent(store=store, run_id="job", fixtures=held, limits=SLOW_ROOMY))
+        await wait_until(lambda: len(held.started) == 2)
+        task.cancel()  # a batch the crash cut
+        await asyncio.gather(task, return_exceptions=True)
+        (body,) = store._sql("SELECT body FROM agent_loop_records WHERE run_id = 'job'").fetchone()
+        record = json.loads(body)
+        observed = {**record["calls"][0], "name": "no_such_tool", "ok": True, "data": {}}  # beside the call cut
+        record["calls"][0]["name"], record["observations"] = "no_such_tool", [observed]
+        store._sql("UPDATE agent_loop_records SET body = ? WHERE run_id = 'job'", (json.dumps(record),))
+        self.assertEqual(store.claim_next(), "job")
+        with self.assertRaises(ValueError) as raised:
+            await run_agent(store=store, run_id="job", limits=SLOW_ROOMY)
+        self.assertEqual(str(raised.exception), "job: what the store holds for it is not a run this version saved")
+        (waits,) = store._sql("SELECT waits FROM agent_loop_runs WHERE run_id = 'job'").fetchone()
+        self.assertEqual((waits, store.claim_next()), ("aside", None))
 
     def test_workers_that_claim_at_the_same_instant_on_their_connections_never_get_the_same_run(self):
         self.assertClaimedApart([self.store() for _ in range(4)])
@@ -6248,6 +6420,60 @@ class LeaseTests(RuntimeTestCase):
             self.assertEqual(tables, {"agent_loop_runs"})
 
 
+class SqliteLeaseTests(LeaseCase):
+    """PART 11 on SQLite alone: its one lock, and what a store says of a file it cannot use."""
+
+    async def test_a_sqlite_worker_frozen_in_a_transaction_holds_the_writers_and_the_pool_goes_on(self):
+        busy = self.store(lease_seconds=1.0)
+        busy.db.execute("PRAGMA busy_timeout = 300")  # a save waits 0.3 s for the lock, then fails
+        held, running = Fixtures(delays={"north": 30}), None
+        busy.add("queued")
+        running = asyncio.create_task(run_agent(store=busy, run_id="healthy", fixtures=held, limits=SLOW_ROOMY))
+        await wait_until(lambda: held.started)
+        worker, _ = self.frozen("job")
+        self.assertIsNone(await asyncio.to_thread(busy.claim_next))  # busy: None, not an exception
+        running.cancel()  # (the healthy run's save would wait out the lock: it stops store_failed, as a save must)
+        await asyncio.gather(running, return_exceptions=True)
+        self.assertIsNone(await asyncio.to_thread(busy.claim_next))
+        worker.kill()  # it dies: its lock goes with it
+        worker.wait(timeout=60)
+        claimed = []
+        await wait_until(lambda: claimed.append(busy.claim_next()) or claimed[-1] in ("job", "queued"), 30)
+
+    def test_a_store_that_cannot_be_written_says_busy_or_read_only_and_a_file_not_a_store_or_of_another_version(self):
+        self.store().close()  # a store, made
+        holder = sqlite3.connect(self.where, isolation_level=None)
+        holder.execute("BEGIN EXCLUSIVE")
+        with self.assertRaises(ValueError) as busy:
+            agent_loop.SqlStore(lambda: sqlite3.connect(self.where, isolation_level=None, timeout=0.2))
+        holder.execute("ROLLBACK")
+        holder.close()
+        with self.assertRaises(ValueError) as read_only:
+            agent_loop.SqlStore(lambda: sqlite3.connect(f"file:{self.where}?mode=ro", uri=True, isolation_level=None))
+        text = os.path.join(self.folder, "notes.txt")
+        with open(text, "w") as file:
+            file.write("not a database\n" * 100)
+        with self.assertRaises(ValueError) as not_a_store:
+            agent_loop.SqlStore(lambda: sqlite3.connect(text, isolation_level=None))
+        with contextlib.closing(sqlite3.connect(self.where)) as db:
+            db.execute("UPDATE agent_loop_meta SET value = '0' WHERE key = 'version'")
+            db.commit()
+        with self.assertRaises(ValueError) as other:
+            agent_loop.SqlStore(self.connect)
+        self.assertEqual([str(error.exception) for error in (busy, read_only, not_a_store, other)],
+                         ["the database: busy: another connection holds its lock",
+                          "the database: read-only: a store must write", "the database: not a store",
+                          "the database: a store of another version"])
+
+    async def test_both_forms_of_sqlite3s_autocommit_are_connections_the_store_works_on(self):
+        forms = [dict(isolation_level=None)] + [dict(autocommit=True)] * (sys.version_info >= (3, 12))  # (new in 3.12)
+        for number, form in enumerate(forms):
+            with self.subTest(form=form):
+                store = agent_loop.SqlStore(lambda: sqlite3.connect(self.where, check_same_thread=False, **form))
+                self.addCleanup(store.close)
+                result = await run_agent(store=store, run_id=f"job-{number}", limits=ROOMY)
+                self.assertEqual(result["status"], "completed")
+
 class PostgresLeaseTests(LeaseTests):
     """The same tests on a PostgreSQL server of their own: its concurrency, its SQL, its driver (psycopg 3)."""
 
@@ -6293,6 +6519,73 @@ class PostgresLeaseTests(LeaseTests):
         return [lambda: Mine.connect(self.where, autocommit=True),
                 lambda: psycopg.connect(self.where, autocommit=True, row_factory=psycopg.rows.dict_row)]
 
+    async def test_a_takeover_by_name_of_a_holder_frozen_mid_save_goes_on_and_the_holder_is_fenced(self):
+        for freeze in ("between", "pipeline"):
+            with self.subTest(freeze=freeze):
+                worker, log = self.frozen(f"job-{freeze}", freeze)
+                ticks = []
+
+                async def tick():
+                    while True:
+                        await asyncio.sleep(0.01)
+                        ticks.append(None)
+
+                ticker = asyncio.create_task(tick())
+                result = await run_agent(store=self.store(), run_id=f"job-{freeze}", limits=SLOW_ROOMY)
+                ticker.cancel()
+                self.assertEqual(worker.poll(), None)  # it is still there, stopped: it held the run till its lease ran out
+                self.assertEqual(result["status"], "completed")
+                self.assertGreater(len(ticks), 20)  # the loop went on while the claim waited
+                os.kill(worker.pid, signal.SIGCONT)
+                self.assertEqual(worker.wait(timeout=60), 0)
+                log.seek(0)
+                self.assertIn(log.read().splitlines()[-1], ('"store_failed"', '"superseded"'))  # fenced as it woke
+
+    async def test_claim_next_hands_out_a_run_whose_holder_froze_mid_save_once_its_lease_ran_out(self):
+        worker, _ = self.frozen("job")
+        store, claimed = self.store(), []
+        await wait_until(lambda: claimed.append(store.claim_next()) or claimed[-1] == "job", 30)
+        self.assertEqual(worker.poll(), None)  # still stopped
+        result = await run_agent(store=store, run_id="job", limits=SLOW_ROOMY)
+        self.assertEqual((result["status"], store.load("job")["generation"]), ("completed", 2))
+
+    def test_a_database_in_sql_ascii_holds_the_store_and_one_in_latin1_is_refused_naming_its_encoding(self):
+        import psycopg
+        with psycopg.connect(self.server.conninfo, autocommit=True) as admin:
+            for name, encoding in (("in_ascii", "SQL_ASCII"), ("in_latin1", "LATIN1")):
+                admin.execute(f"CREATE DATABASE {name} ENCODING '{encoding}' LC_COLLATE 'C' LC_CTYPE 'C' "
+                              "TEMPLATE template0")
+        where = {name: self.server.conninfo.replace("dbname=postgres", f"dbname={name}") for name in ("in_ascii",
+                                                                                                  "in_latin1")}
+        with agent_loop.SqlStore(lambda: psycopg.connect(where["in_ascii"], autocommit=True)) as store:
+            result = asyncio.run(run_agent(store=store, run_id="库存-1", limits=ROOMY))
+            self.assertEqual((result["status"], store.unfinished(), store.load("库存-1")["status"]),
+                             ("completed", [], "completed"))
+        with self.assertRaises(ValueError) as raised:
+            agent_loop.SqlStore(lambda: psycopg.connect(where["in_latin1"], autocommit=True))
+        self.assertEqual(str(raised.exception), "the connection is to a database in LATIN1, which cannot hold all of "
+                                                "the store's text: it needs UTF8")
+
+    def test_a_read_only_or_busy_postgresql_store_says_so(self):
+        import psycopg
+        self.store().close()
+
+        def read_only():
+            db = psycopg.connect(self.where, autocommit=True)
+            db.execute("SET default_transaction_read_only = on")
+            return db
+
+        with self.assertRaises(ValueError) as refused:
+            agent_loop.SqlStore(read_only)
+        self.assertEqual(str(refused.exception), "the database: read-only: a store must write")
+        holder = self.connect()
+        self.addCleanup(holder.close)
+        holder.execute("BEGIN")
+        holder.execute("LOCK TABLE agent_loop_meta IN ACCESS EXCLUSIVE MODE")
+        with self.assertRaises(ValueError) as busy:
+            agent_loop.SqlStore(self.connect)
+        self.assertEqual(str(busy.exception), "the database: busy: another connection holds its lock")
+
     def test_claims_in_sessions_that_default_to_serializable_never_fail(self):
         import psycopg
 
@@ -6333,7 +6626,7 @@ class StandaloneRuntimeTests(unittest.TestCase):
 # ======================================================================================================================
 
 
-# PART 12: the scenario atlas: one small, deterministic run per stop status
+# PART 14: the scenario atlas: one small, deterministic run per stop status
 
 ATLAS_EXPECTED = {  # name: (rounds, calls, credits, observation errors in order)
     "completed": (3, 3, 17, []),
@@ -6413,7 +6706,7 @@ WHY = {  # each atlas scenario's stop event, beyond event, status and used: why,
 
 
 class AtlasTests(RuntimeTestCase):
-    """PART 8: the scenario atlas: one run per stop status, its stop event, its table, its JSON and its command line."""
+    """PART 14: the scenario atlas: one run per stop status, its stop event, its table, its JSON and its command line."""
 
     def test_every_stop_status_has_a_scenario_of_that_name_the_contracts_first(self):
         self.assertEqual(list(STOP_STATUSES[:len(STATUSES)]), STATUSES)  # later parts add theirs after
@@ -6510,10 +6803,10 @@ class AtlasTests(RuntimeTestCase):
                 self.assertNoPrivateText(result)
 
 
-# PART 13: the benchmark: what parallel batches and bounded waits buy, and what the runtime costs
+# PART 15: the benchmark: what parallel batches and bounded waits buy, and what the runtime costs
 
 class BenchTests(unittest.TestCase):
-    """PART 9: the benchmark: its figures are checked for sanity, never for speed."""
+    """PART 15: the benchmark: its figures are checked for sanity, never for speed."""
 
     def test_help_lists_the_commands_of_the_whole_module(self):
         done = run_command("--help")
@@ -6580,7 +6873,7 @@ class BenchTests(unittest.TestCase):
         self.assertEqual(sorted(figures["10"]), ["copy_ms", "round_ms"])
 
 
-# PART 14: see a run: its decisions and calls drawn on a time axis
+# PART 16: see a run: its decisions and calls drawn on a time axis
 
 def bars(drawing, label=30):
     """{lane label: (first column, last column, outcome)} of a text drawing's calls ('.' for one that never ran)."""
@@ -6603,7 +6896,7 @@ READ = {"type": "object", "properties": {"sku": {"type": "string"}}, "required":
 
 
 class TimelineTests(RuntimeTestCase):
-    """PART 12: a run drawn on a time axis: lanes, bars and outcomes, the SVG, and the drawings of the command line."""
+    """PART 16: a run drawn on a time axis: lanes, bars and outcomes, the SVG, and the drawings of the command line."""
 
     async def drawn(self, fixtures, **options):
         timeline = agent_loop.Timeline()
@@ -6814,7 +7107,7 @@ class TimelineTests(RuntimeTestCase):
         self.assertTrue(accented.startswith("  cafe\u0301 读取库存" + " " * (28 - 13)))
 
 class TimelineRecorderTests(RuntimeTestCase):
-    """PART 12: a Timeline records a run without changing it, draws only a run it saw whole, and marks only limits that cut."""
+    """PART 16: a Timeline records a run without changing it, draws only a run it saw whole, and marks only limits that cut."""
 
     async def test_a_timeline_that_recorded_another_runs_calls_or_decisions_draws_neither(self):
         for why in ("calls", "decisions"):
@@ -7762,8 +8055,55 @@ def pool_worker(kind, where, name, crash):
     asyncio.run(main())
 
 
+def frozen_worker(kind, where, run_id, ready, freeze):
+    """A worker that runs run_id and freezes inside a transaction of its first save that has something to write: on
+    SQLite or PostgreSQL (kind) at where, "between" two of its statements, or, on PostgreSQL, "pipeline": in the
+    middle of executemany's statements. It writes ready and sleeps a moment: the parent stops it there with SIGSTOP,
+    and wakes it later with SIGCONT. It prints its run's status."""
+    def connect():
+        if kind == "sqlite":
+            return sqlite3.connect(where, isolation_level=None, timeout=30, check_same_thread=False)
+        import psycopg
+
+        class Pausing(psycopg.Cursor):  # its executemany stops once all of its statements have gone out
+            def executemany(self, query, rows, **options):
+                def sent():
+                    yield from rows
+                    if rows and freeze == "pipeline" and not store.frozen:
+                        store.frozen = True
+                        freeze_here()  # every statement sent, none synced: the transaction holds the row
+                return super().executemany(query, sent(), **options)
+
+        return psycopg.connect(where, autocommit=True, cursor_factory=Pausing)
+
+    def freeze_here():
+        open(ready, "w").close()
+        time.sleep(5)  # the parent stops us in here
+
+    class Freezing(agent_loop.SqlStore):
+        frozen = False
+
+        def _sql(self, statement, parameters=()):
+            cursor = super()._sql(statement, parameters)
+            if freeze == "between" and statement.startswith("UPDATE agent_loop_runs SET state") and not self.frozen:
+                self.frozen = True
+                freeze_here()  # its UPDATE made: the row is locked (on SQLite, the whole database)
+            return cursor
+
+    async def main():
+        result = await run_agent(store=store, run_id=run_id, fixtures=Fixtures(delays={}),
+                                 limits=Limits(tool_seconds=30, model_seconds=30, total_seconds=120))
+        print(json.dumps(result["status"]))
+
+    store = Freezing(connect, lease_seconds=1.0)
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()
+
+
 CHILDREN = {"mcp_server": mcp_server, "crashing_run": crashing_run, "writing_run": writing_run,
-            "pool_worker": pool_worker}  # what `python3 test_agent_loop.py child NAME ARGS` runs
+            "pool_worker": pool_worker, "frozen_worker": frozen_worker}  # what `python3 test_agent_loop.py child NAME ARGS` runs
 
 
 def postgres_connection(conninfo, schema):
