@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import platform
 import queue
+import random
 import re
 import sqlite3
 import statistics
@@ -91,7 +92,7 @@ class ToolSpec:
     description: str = ""  # what the model is told the tool does
     parameters: dict | None = None  # the JSON Schema of the arguments object, checked in preflight
     seconds: float | None = None  # each attempt's own time limit, in place of Limits.tool_seconds
-    retries: int = 0  # a read's further attempts after a transient failure, unseen by the model (PART 4's tail)
+    retries: int = 0  # a read's further attempts after a transient failure, unseen by the model (PART 12)
     backoff: tuple = (0.1, 2.0)  # (base, cap): before retry r, a random wait of up to min(cap, base * 2 ** (r - 1))
     job: bool = False  # its work is a durable job, submitted to the run's store (PART 13)
 
@@ -839,8 +840,10 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
 
     Returns a copy of {"status": one of every_status(), "answer": None unless completed, "used": {"rounds", "calls",
     "credits"}, "history": a {"round", "calls", "observations"} per round, "trace": its events}. Each event counts
-    what was used so far: "decision" (its "kind"), "observations" (the "ids" in request order, "parallel"), "stop"
-    (the "status"; a failed run's says why: "call_id", "name", "reason", "error_type", or the "rejected" answer).
+    what was used so far: "decision" (its "kind"), "retry" (a read tried again: its "call_id", "attempt" and the
+    error it retries "after"; its observation then says how many "attempts"), "observations" (the "ids" in request
+    order, "parallel"), "stop" (the "status"; a failed run's says why: "call_id", "name", "reason", "error_type",
+    or the "rejected" answer).
     accept is the final check, a plain function of copies of the answer and history; on_event, a plain or async
     function, watches a copy of each event; on_refused names what a refused batch becomes: "stop" (the run stops)
     or a later part's policy ("observe"); options are the later parts' (Part): store, run_id, approve, approvals
@@ -905,21 +908,21 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
 
 
 async def _act(run, record):
-    """Run the calls of an admitted batch that have no observation yet (all of a new one), once its gate has let them
-    start, in parallel only if every tool of the batch allows it; then continue, or stop."""
+    """Run a batch's calls not yet observed, once its gate lets them: in parallel only if every tool allows it."""
     done, parallel = record["observations"], _parallel(run.registry, record["calls"])
     calls = record["calls"][len(done):]  # (the rest of a batch that a later part goes on with)
     gated = await run.seam("gate", None, record, calls)  # a later part's gate: observations instead, nothing starts
+    tried = await run.seam("attempts", partial(_observe, run), calls)  # each call tried once, unless a later part says
     if gated is not None:
         done += gated
     elif parallel and len(calls) > 1:
         async with asyncio.TaskGroup() as group:
-            running = [group.create_task(_observe(run, item)) for item in calls]
+            running = [group.create_task(tried(item)) for item in calls]
         done += _results(calls, running)  # each task is its call's, whichever finished first: request order
     else:
         for item in calls:  # one by one; after a failure the model cannot retry, the rest never starts
             aborted = done and _fatal(done[-1])
-            done.append(_failure(item, "batch_aborted", False) if aborted else await _observe(run, item))
+            done.append(_failure(item, "batch_aborted", False) if aborted else await tried(item))
             await run.seam("spent")  # each observation of a serial batch kept as soon as it is known
     await run.emit({"event": "observations", "round": record["round"], "ids": _ids(record), "parallel": parallel,
                     **run.used}, spent=True)
@@ -932,7 +935,7 @@ async def _observe(run, item):
     spec = run.registry[item["name"]]
     try:  # the tool gets a copy of its call: one that edits it cannot edit history
         call = await run.seam("before_call", _copy(item), item)
-        seconds = min(run.limits.tool_seconds, run.time_left())
+        seconds = min(spec.seconds or run.limits.tool_seconds, run.time_left())  # a tool's own limit, if it has one
     except Stop as stop:  # overtaken by a stop: neither started nor counted
         return _failure(item, str(stop), False)
     run.used["calls"] += 1
@@ -940,7 +943,7 @@ async def _observe(run, item):
     try:
         obs = _success(item, await run.wait(lambda: run.tools.invoke(call), seconds))
     except Exception as error:
-        obs = _tool_failure(item, error)
+        obs = _tool_failure(item, error, spec.read_only)
     return await run.seam("after_call", obs, item)
 
 
@@ -1002,14 +1005,16 @@ class Part:
     errors; every_status() and every_error() give the module's), refusals (names for on_refused: policy(stop, decision,
     turn, run) gives the round a refused batch becomes, or None), commands (name: (help, options(parser), async
     run(args, parser)); a later part's replaces an earlier one of its name) and options (the run_agent keywords it
-    takes). join(run, given) makes its seams for a run given those options, or None: a run given none of a part's
-    options meets none of its seams, and the article's run meets none at all. A seam is a method named for the step
+    takes). join(run, given) makes its seams for a run given those options (or whose registry or limits ask for the
+    part: a read with retries), or None: a run that asks for none of a part meets none of its seams, and the
+    article's run meets none at all. A seam is a method named for the step
     of the article it serves; it gets the run and a value, and returns what becomes of the value:
       resume(None): before the first round: a saved run put back; the stored result, if it has ended;
       spent(None): a step that spends was taken: a decision paid, a batch admitted, a call or a batch observed, a
         refused batch recorded;
       offer(None): before a decision is read: the tools its batch may call (run.registry), and run.authorize;
       gate(None, record, calls): before the calls of a batch start: observations instead (none of them starts), or Stop;
+      attempts(observe, calls): how each of those calls is tried: a function of the call that returns its observation;
       before_call(call, item): the call as its tool gets it; a Stop: it neither starts nor counts;
       after_call(obs, item): the call's observation, as it stands;
       named({}): what the result and its stop event carry besides (a named run's run_id);
@@ -1126,6 +1131,8 @@ def _checked_registry(registry):
             raise ValueError(f"{name}: description must be a string")
         if spec.parameters is None and spec.validate is None and name not in TOOLS:
             raise ValueError(f"{name}: declare its parameters, a validate function, or both")
+        if spec.seconds is not None and not _a_time_limit(spec.seconds):
+            raise ValueError(f"{name}: seconds must be a finite number > 0, or None")
         try:
             spec._schema_check  # prepared once per ToolSpec, from its own copy of the schema
         except ValueError as problem:
@@ -1194,10 +1201,13 @@ TOOL_ERRORS = (
 )
 
 
-def _tool_failure(item, error):
+def _tool_failure(item, error, read_only=True):
     """The observation of a call whose tool raised error: its code, and whether the model may retry; it names the
-    exception's class, never its message (a ToolError's message, written for the model, is kept)."""
+    exception's class, never its message (a ToolError's message, written for the model, is kept). A read that lost
+    its connection is temporary; a write's may have applied (PART 10 asks)."""
     code, retryable = next((code, retryable) for raised, code, retryable in TOOL_ERRORS if isinstance(error, raised))
+    if isinstance(error, ConnectionError) and read_only:
+        code, retryable = "temporary", True
     if code is None or code == "tool_timeout":  # the runtime's own signals: no class of the tool's to name
         return _failure(item, code or str(error), retryable)
     if code == "tool_error":
@@ -2102,7 +2112,8 @@ class _Journal(Part):
     the end. A crash keeps what was saved, and the same call later resumes the run: used, history, the ledger and
     the repeat counts as they were (a "resumed" event marks the join), its deadline counting from its first start
     (less any time paused). A decision the crash cut stays paid: the model is asked anew. A batch it cut is charged
-    whole: each call without an observation is interrupted (retryable), unless it is a write saved as handed to its
+    whole, each call once (the retries of a read since the batch was saved are not: their charge is lost with
+    them): each call without an observation is interrupted (retryable), unless it is a write saved as handed to its
     tool: that one's outcome is unknown. A batch that waited for approvals goes to its gate again. A write whose
     outcome is unknown is asked about again (the tools' reconcile, with its key, bounded by tool_seconds even past the
     deadline); once every one is settled, the calls after it that never started run. A round whose observations say
@@ -3097,6 +3108,79 @@ _STORE_COLUMNS = ("run_id, generation, added, config, started, state, status, an
                   "FROM agent_loop_runs", "run_id, round, body FROM agent_loop_records",
                   "run_id, seq, body FROM agent_loop_events")
 
+# PART 12: a call's attempts: a read tried again after a transient failure, unseen by the model (full jitter, inside
+# the budgets and the deadline), and a cap on the calls of a batch in flight
+
+TRANSIENT = ("temporary", "tool_timeout")  # the failures after which a read may be tried again (ToolSpec.retries)
+
+
+class Attempts(Part):
+    """PART 12, as the core reads it: how each call of a batch is tried, in a run whose registry has a read with
+    retries (ToolSpec.retries) or whose Limits.concurrency is below Limits.batch; any other run tries each call once,
+    all of a parallel batch at once, as the article does.
+
+    At most limits.concurrency attempts run at once. A read that failed with one of TRANSIENT (a lost connection is
+    temporary) is tried again, up to its retries, after a random wait of up to min(cap, base * 2 ** (r - 1)) before
+    retry r (full jitter; ToolSpec.backoff = (base, cap)), holding no slot while it waits. A retry is a call: it is
+    charged as one, and made only if the budgets can pay for it beside every attempt of the batch not started yet
+    (the calls waiting for a slot, the retries decided before), and if its wait ends before the deadline; a cancel
+    ends the wait. The model sees one observation per call, the first success or the last failure, with "attempts"
+    once there was more than one; the trace has a "retry" event when each retry starts, saying after what error.
+    Limits.attempts counts the model's calls of a signature, never these."""
+
+    @classmethod
+    async def join(cls, run, given):
+        for name, spec in run.registry.items():
+            if type(spec.retries) is not int or spec.retries < 0 or spec.retries and (not spec.read_only or spec.job):
+                raise ValueError(f"{name}: retries must be an int >= 0, and 0 but for a read: a write is never tried "
+                                 "again")
+            if type(spec.backoff) is not tuple or len(spec.backoff) != 2 or not all(map(_a_time_limit, spec.backoff)) \
+                    or spec.backoff[0] > spec.backoff[1]:
+                raise ValueError(f"{name}: backoff must be (base, cap): seconds, 0 < base <= cap")
+        retried = any(spec.retries for spec in run.registry.values())
+        return cls() if retried or run.limits.concurrency < run.limits.batch else None
+
+    async def attempts(self, run, observe, calls):
+        """tried(item): the observation of one of these calls, after its attempts."""
+        slots, ahead = asyncio.Semaphore(run.limits.concurrency), {"calls": len(calls),
+                                                                    "credits": _cost(run.registry, calls)}
+
+        async def tried(item):
+            spec, attempt, after = run.registry[item["name"]], 1, None
+            while True:
+                async with slots:
+                    ahead["calls"], ahead["credits"] = ahead["calls"] - 1, ahead["credits"] - spec.cost  # it starts
+                    if after is not None:  # a retry: the trace says when it started, and after what
+                        await run.emit({"event": "retry", "round": run.history[-1]["round"], "call_id": item["call_id"],
+                                        "attempt": attempt, "after": after, **run.used})
+                    obs = await observe(item)
+                obs = {**obs, "attempts": attempt} if attempt > 1 else obs
+                wait = _backoff(run, spec, obs, attempt, ahead)
+                if wait is None:
+                    return obs
+                ahead["calls"], ahead["credits"] = ahead["calls"] + 1, ahead["credits"] + spec.cost  # the retry's share
+                try:
+                    await run.wait(partial(asyncio.sleep, wait), wait + 1)  # a cancel ends it, as any wait of the run
+                except (Stop, TimeoutError):
+                    return obs  # cut by the cancel or the deadline: the last failure is the observation
+                attempt, after = attempt + 1, obs["error"]
+
+        return tried
+
+
+def _backoff(run, spec, obs, attempt, ahead):
+    """The seconds to wait before another attempt of this call, or None: not a read that failed transiently with
+    retries left, no room in the budgets beside the attempts ahead, or no time. Full jitter: a random wait of up to
+    min(cap, base * 2 ** (attempt - 1))."""
+    used, limits, (base, cap) = run.used, run.limits, spec.backoff
+    if obs["ok"] or obs["error"] not in TRANSIENT or attempt > spec.retries or \
+            used["calls"] + ahead["calls"] + 1 > limits.calls or \
+            used["credits"] + ahead["credits"] + spec.cost > limits.credits:
+        return None
+    wait = random.uniform(0, min(cap, base * 2 ** (attempt - 1)))
+    return wait if asyncio.get_running_loop().time() + wait < run.deadline else None  # it would end past the deadline
+
+
 # ======================================================================================================================
 # Around the runtime. The module cut above this banner (with its __main__ block) is the whole runtime: your own tools,
 # refusals observed, the bridges, MCP, named runs, writes and the pool. Below it is only what serves around it: the
@@ -3397,8 +3481,24 @@ def _accepts_nothing(answer, history):
     return False  # the bench's runs are about time, not answers
 
 
-def _bench_registry(parallel=True):
-    return {name: ToolSpec(0, True, parallel, validate=lambda args: True) for name in ("tick", "wait", "hang")}
+def _bench_registry(parallel=True, flaky=False):
+    registry = {name: ToolSpec(0, True, parallel, validate=lambda args: True) for name in ("tick", "wait", "hang")}
+    if flaky:
+        registry["flaky"] = ToolSpec(0, True, parallel, validate=lambda args: True, retries=1, backoff=(1e-9, 1e-9))
+    return registry
+
+
+def _flaky_functions():
+    """The bench's functions, and flaky: each n fails once (transiently), then answers at once."""
+    failed = set()
+
+    async def flaky(n):
+        if n not in failed:
+            failed.add(n)
+            raise TemporaryError("once")
+        return {"n": n}
+
+    return {**_BENCH_FUNCTIONS, "flaky": flaky}
 
 
 def _batches(name, per_round):
@@ -3415,10 +3515,10 @@ def _roomy(rounds, calls, **seconds):
     return Limits(rounds=rounds, calls=calls, credits=MODEL_COST * rounds, attempts=1, **times)
 
 
-async def _timed(model, limits, parallel=True):
-    tools = FunctionTools(_BENCH_FUNCTIONS)
+async def _timed(model, limits, parallel=True, functions=_BENCH_FUNCTIONS):
+    tools = FunctionTools(functions)
     start = time.perf_counter()
-    registry = _bench_registry(parallel)
+    registry = _bench_registry(parallel, "flaky" in functions)
     result = await run_agent(model, limits=limits, fixtures=tools, registry=registry, accept=_accepts_nothing)
     return time.perf_counter() - start, result
 
@@ -3658,8 +3758,45 @@ def _show_loop_waits(number, figures, cell):
         print(f"   {where:<10}  {cell(**spread)}")
 
 
+async def _concurrency(quick):
+    """Milliseconds a batch of 8 calls of BENCH_WAIT takes under each Limits.concurrency, and the ideal: the
+    batch in ceil(8 / concurrency) waves."""
+    figures = {}
+    for concurrency in (1, 2, 4, 8):
+        limits = dataclasses.replace(_roomy(1, 8), batch=8, concurrency=concurrency)
+        walls = [(await _timed(_batches("wait", 8), limits))[0] for _ in range(3 if quick else 7)]
+        figures[str(concurrency)] = {"wall_ms": _spread(walls, 1e3),
+                                     "ideal_ms": math.ceil(8 / concurrency) * BENCH_WAIT * 1e3}
+    return figures
+
+
+def _show_concurrency(number, figures, cell):
+    print(f"\n{number}. A batch of 8 calls of {BENCH_WAIT * 1000:.0f} ms under Limits.concurrency: milliseconds, beside "
+          "the ideal (the batch in waves of that many)")
+    for concurrency, row in figures.items():
+        print(f"   concurrency={concurrency}  wall {cell(**row['wall_ms'])}   ideal {row['ideal_ms']:5.0f}")
+
+
+async def _retry_cost(quick, runs=40, rounds=5):
+    """Microseconds a retry costs the runtime beyond its backoff (here a nanosecond): a round whose call fails once
+    and is tried again at once, against a round whose call answers at once."""
+    spent = []
+    for _ in range(3 if quick else 7):
+        once = sum([(await _timed(_batches("tick", 1), _roomy(rounds, rounds)))[0] for _ in range(runs)])
+        twice = sum([(await _timed(_batches("flaky", 1), _roomy(rounds, 2 * rounds), functions=_flaky_functions()))[0]
+                     for _ in range(runs)])
+        spent.append((twice - once) / (runs * rounds))
+    return _spread(spent, 1e6)
+
+
+def _show_retry_cost(number, spread, cell):
+    print(f"\n{number}. A retry (ToolSpec.retries), beyond its backoff: microseconds per retry")
+    print(f"   per retry      {cell(**spread)}")
+
+
 # The figures beyond the first four, each (name, async measure(quick) -> figures, show(number, figures, cell)).
-BENCH_PARTS = (("store_ms", _store_cost, _show_store_cost),
+BENCH_PARTS = (("concurrency_ms", _concurrency, _show_concurrency), ("retry_us", _retry_cost, _show_retry_cost),
+               ("store_ms", _store_cost, _show_store_cost),
                ("postgres_store_ms", _postgres_store_cost, _show_postgres_store_cost),
                ("pool_runs_per_second", _pool_throughput, _show_pool),
                ("loop_waits_ms", _loop_waits, _show_loop_waits))
@@ -3729,10 +3866,11 @@ class Timeline:
     """A recorder that draws a run: when each decision was asked and answered, when each call started and
     ended, with its outcome, and the limits that acted, on the event loop's clock. One Timeline per run."""
 
-    def __init__(self, limits=None):
+    def __init__(self, limits=None, registry=None):
         self.limits = limits  # the run's Limits, if known: tells a cut by a call's own limit from one by the deadline
+        self.registry = dict(registry or {})  # its registry, if known: a tool's own limit (ToolSpec.seconds) is marked so
         self.decisions = []   # (asked, answered) of each decision, in order: one per round
-        self.calls = {}       # call_id -> (started, ended)
+        self.calls = {}       # call_id -> [(started, ended)] of each attempt (see ToolSpec.retries)
         self.cut = set()      # call ids, and ("model", round), that the runtime's wait ended, not they themselves
         self.events = []      # (time, trace event)
 
@@ -3781,8 +3919,8 @@ class Timeline:
 
     def lanes(self, result):
         """What the drawing shows: per round, a lane for the decision and one per call (name, tool, start, end,
-        outcome); the limits that acted (limit, time, round); the run's status; ValueError if this timeline did
-        not record this run, and only it."""
+        outcome, attempts: each attempt's (start, end)); the limits that acted (limit, time, round); the run's
+        status; ValueError if this timeline did not record this run, and only it."""
         stop = result["trace"][-1]
         if [event for _, event in self.events] != result["trace"]:
             raise ValueError("this Timeline did not see this run's events, or saw another run's too: give run_agent "
@@ -3798,7 +3936,7 @@ class Timeline:
             raise ValueError("calls ran that were not recorded: give run_agent fixtures=timeline.tools(...)")
         ids = {item["call_id"] for record in result["history"] for item in record["calls"]}
         first = self.decisions[0][0] if self.decisions else self.events[0][0]
-        if not set(self.calls) <= ids or any(started < first for started, _ in self.calls.values()):
+        if not set(self.calls) <= ids or any(tried[0][0] < first for tried in self.calls.values()):
             raise ValueError("this Timeline recorded calls of another run: use one Timeline per run")
         kinds = {event["round"]: event["kind"] for _, event in self.events if event["event"] == "decision"}
         rounds = {}
@@ -3806,14 +3944,16 @@ class Timeline:
             kind = kinds.get(number)
             if kind not in ("calls", "final"):  # no decision came, or none that could be acted on
                 kind = stop["status"] if number == len(self.decisions) else str(kind)
-            rounds[number] = [("model", "decision", asked, answered, kind)]
+            rounds[number] = [("model", "decision", asked, answered, kind, [(asked, answered)])]
         for record in result["history"]:
             for obs in record["observations"]:
-                started, ended = self.calls.get(obs["call_id"], (None, None))
-                if started is None and obs["ok"]:
+                tried = self.calls.get(obs["call_id"], [])
+                if not tried and obs["ok"]:
                     raise ValueError("a call that ran was not recorded: give run_agent fixtures=timeline.tools(...)")
+                started, ended = (tried[0][0], tried[-1][1]) if tried else (None, None)
                 outcome = "ok" if obs["ok"] else obs["error"]
-                rounds.setdefault(record["round"], []).append((obs["call_id"], obs["name"], started, ended, outcome))
+                rounds.setdefault(record["round"], []).append(
+                    (obs["call_id"], obs["name"], started, ended, outcome, tried))
         return rounds, self._marks(rounds, stop["status"]), stop["status"]
 
     def _marks(self, rounds, status):
@@ -3825,11 +3965,14 @@ class Timeline:
                 if ends else 0.0)
         earliest = {}
         for number, lanes in rounds.items():
-            for name, tool, began, ended, outcome in lanes:
-                limit = None
+            for name, tool, began, ended, outcome, tried in lanes:
+                began, limit = tried[-1][0] if tried else began, None  # the last attempt: the one the outcome is of
                 if outcome in ("tool_timeout", "model_timeout") and ended is not None:
                     cut = (("model", number) if tool == "decision" else name) in self.cut
-                    own = getattr(self.limits, "model_seconds" if tool == "decision" else "tool_seconds", None)
+                    which = "model_seconds" if tool == "decision" else "tool_seconds"
+                    own = getattr(self.limits, which, None)
+                    if getattr(self.registry.get(tool), "seconds", None) is not None:
+                        which, own = "seconds", self.registry[tool].seconds
                     # Uncut, it raised TimeoutError itself, or it held the loop past its limit (then it acted).
                     if cut or own is not None and ended - began >= own:
                         at_the_end = stopped - ended <= max(0.002, span / 50)
@@ -3837,7 +3980,7 @@ class Timeline:
                         if status == "deadline" and (at_the_end or short):
                             limit = "deadline"
                         else:
-                            limit = "model_seconds" if tool == "decision" else "tool_seconds"
+                            limit = which
                 elif outcome == "cancelled" and ended is not None:
                     limit = "cancel"
                 if limit:
@@ -3857,8 +4000,8 @@ class Timeline:
 
     def text(self, result, width=100):
         """The run as a terminal drawing: a lane per decision and per call with a bar from its start to its end and
-        its outcome after it; parallel calls overlap, serial ones follow each other; the limits that acted are
-        marked where they acted, under a scale in milliseconds."""
+        its outcome after it (a bar per attempt, ~ while it waits out a backoff); parallel calls overlap, serial ones
+        follow each other; the limits that acted are marked where they acted, under a scale in milliseconds."""
         if type(width) is not int or width < 60:
             raise ValueError("width must be an int of at least 60")
         rounds, marks, status = self.lanes(result)
@@ -3882,13 +4025,16 @@ class Timeline:
         for number in sorted(rounds):
             lines.append(f"round {number}")
             admitted = rounds[number][0][3] if rounds[number][0][1] == "decision" else None
-            for name, tool, began, ended, outcome in rounds[number]:
+            for name, tool, began, ended, outcome, tried in rounds[number]:
                 row = [" "] * columns
                 if began is None:  # it never started: refused, aborted, or overtaken by a stop
                     row[at(admitted) if admitted is not None else 0] = "."
                 else:
                     first, last = at(began), at(ended)
-                    row[first:last + 1] = "=" * (last - first + 1)
+                    row[first:last + 1] = "~" * (last - first + 1)
+                    for began, ended in tried:
+                        first, last = at(began), at(ended)
+                        row[first:last + 1] = "=" * (last - first + 1)
                 lane = "model" if tool == "decision" else _printable(f"{name} {tool}", label - 3)
                 padding = " " * (label - 2 - _columns(lane))  # by columns: a Chinese character takes two
                 lines.append(f"  {lane}{padding}{''.join(row)} {outcome}")
@@ -3947,7 +4093,7 @@ class _TimedTools:
             self.timeline.cut.add(cid)  # the runtime's wait ended it: a time limit or the cancel acted
             raise
         finally:
-            self.timeline.calls[cid] = (started, self.timeline._now())
+            self.timeline.calls.setdefault(cid, []).append((started, self.timeline._now()))
 
 
 def _ms_digits(span):
@@ -4060,19 +4206,25 @@ def _svg_document(runs):
             y += row
             first = y
             admitted = rounds[number][0][3] if rounds[number][0][1] == "decision" else None
-            for name, tool, began, ended, outcome in rounds[number]:
+            for name, tool, began, ended, outcome, tried in rounds[number]:
                 kind = "decision" if tool == "decision" else "call"
                 colour = _COLOURS["decision" if kind == "decision" else outcome] if (
                     kind == "decision" or outcome in _COLOURS) else _FAILED
-                if began is None:  # it never started: a grey tick where its batch was admitted
-                    left, length, colour = x(admitted) if admitted is not None else label, 2.0, "#868e96"
-                else:
-                    left, length = x(began), max(x(ended) - x(began), 2.0)
                 lane = "model" if kind == "decision" else _printable(f"{name} {tool}", 30)
-                body.append(f'<text x="20" y="{y + 14}" class="lane">{escape(lane)}</text>'
-                            f'<rect class="{kind}" x="{left:.1f}" y="{y + 4}" width="{length:.1f}" height="{row - 8}" '
-                            f'fill="{colour}"><title>{escape(lane)}: {escape(outcome)}</title></rect>'
-                            f'<text x="{label + bars + 8}" y="{y + 14}" class="outcome">{escape(outcome)}</text>')
+                body.append(f'<text x="20" y="{y + 14}" class="lane">{escape(lane)}</text>')
+                if began is None:  # it never started: a grey tick where its batch was admitted
+                    tried, colour = [(admitted, None) if admitted is not None else (start, None)], "#868e96"
+                elif len(tried) > 1:  # its backoffs: a thin line from its first attempt to its last
+                    body.append(f'<line class="backoff" x1="{x(began):.1f}" y1="{y + row / 2}" x2="{x(ended):.1f}" '
+                                f'y2="{y + row / 2}"/>')
+                failed = [event["after"] for _, event in timeline.events  # why each attempt before the last ended
+                          if event["event"] == "retry" and event["call_id"] == name]
+                for (began, ended), said in zip(tried, [*failed[:len(tried) - 1], outcome]):  # a bar per attempt
+                    left, length = x(began), 2.0 if ended is None else max(x(ended) - x(began), 2.0)
+                    shade = colour if said == outcome else _COLOURS.get(said, _FAILED)
+                    body.append(f'<rect class="{kind}" x="{left:.1f}" y="{y + 4}" width="{length:.1f}" '
+                                f'height="{row - 8}" fill="{shade}"><title>{escape(lane)}: {escape(said)}</title></rect>')
+                body.append(f'<text x="{label + bars + 8}" y="{y + 14}" class="outcome">{escape(outcome)}</text>')
                 y += row
             for limit, when, where in marks:
                 if where == number:
@@ -4091,7 +4243,7 @@ def _svg_document(runs):
     height = y + 30
     style = ("text{font-family:monospace;font-size:12px}.title{font-size:14px;font-weight:bold}.tick{font-size:10px;"
              "text-anchor:middle}.axis{stroke:#495057}.separator{stroke:#dee2e6}.limit{stroke:#c92a2a;"
-             "stroke-dasharray:4 3;fill:#c92a2a}")
+             "stroke-dasharray:4 3;fill:#c92a2a}.backoff{stroke:#868e96}")
     return (f'<?xml version="1.0" encoding="UTF-8"?>\n<svg xmlns="http://www.w3.org/2000/svg" width="{width}" '
             f'height="{height}" viewBox="0 0 {width} {height}">\n<style>{style}</style>\n'
             + "\n".join(body) + "\n</svg>\n")
@@ -4102,6 +4254,119 @@ class _Drawings(Part):
 
     commands = {name: (help, _drawing_options(options), run) for name, (help, options, _), run in (
         ("demo", COMMANDS["demo"], _drawn_demo), ("scenarios", _Atlas.commands["scenarios"], _drawn_scenario))}
+
+
+# PART 17: the executor chapter's demo: five tools, each attempt under its own limit, retries, a cap on calls in flight
+
+_KEY = _closed(key={"type": "string", "maxLength": 40})
+EXECUTOR_TOOLS = {  # the chapter's five; its single batch of five is two here: a batch that holds a write is serial
+    "fetch_page": ToolSpec(1, True, True, parameters=_KEY, description="an async read of 200 ms"),
+    "read_file": ToolSpec(1, True, True, parameters=_KEY, description="a plain function of 200 ms, in a thread"),
+    "flaky_quote": ToolSpec(1, True, True, parameters=_KEY, retries=3, backoff=(0.05, 0.5),
+                            description="fails twice, then answers; retries=3"),
+    "stuck_feed": ToolSpec(1, True, True, parameters=_KEY, seconds=0.25,
+                           description="hangs for 5 s; its own limit, seconds=0.25"),
+    "save_report": ToolSpec(2, False, False, parameters=_KEY, description="a write that fails once"),
+}
+EXECUTOR_LIMITS = Limits(calls=8, tool_seconds=1.0, total_seconds=10.0, concurrency=4)
+
+
+def executor_tools():
+    """FunctionTools for EXECUTOR_TOOLS, and the idempotency keys the write ran with, once per time it ran."""
+    quotes, ran = [], []
+
+    async def fetch_page(key):
+        await asyncio.sleep(0.2)
+        return {"page": key}
+
+    def read_file(key):  # a plain function: it runs in a thread of its own
+        time.sleep(0.2)
+        return {"file": key}
+
+    async def flaky_quote(key):
+        quotes.append(key)
+        if len(quotes) <= 2:
+            raise TemporaryError("the quote service is busy")
+        return {"quote": 42}
+
+    async def stuck_feed(key):
+        await asyncio.sleep(5)
+        return {"feed": key}
+
+    async def save_report(key, idempotency_key):
+        ran.append(idempotency_key)
+        if len(ran) == 1:
+            raise TemporaryError("the report store is busy")
+        return {"saved": key}
+
+    return FunctionTools({function.__name__: function for function in (
+        fetch_page, read_file, flaky_quote, stuck_feed, save_report)}), ran
+
+
+def _outcomes(history):
+    """Each call's name and how it ended, in the order they were asked for."""
+    return {obs["name"]: "ok" if obs["ok"] else obs["error"] for record in history for obs in record["observations"]}
+
+
+async def executor_model(history):
+    """The four reads in one batch, then the write, then each call's outcome as the answer."""
+    if not history:
+        return {"kind": "calls", "calls": [call(f"r1-{name}", name, key=name) for name in list(EXECUTOR_TOOLS)[:4]]}
+    if len(history) == 1:
+        return {"kind": "calls", "calls": [call("r2-save_report", "save_report", key="report")]}
+    return {"kind": "final", "answer": _outcomes(history)}
+
+
+def executor_accepted(answer, history):
+    """The answer is each call's outcome, as the history recomputes it."""
+    return answer == _outcomes(history)
+
+
+async def executor(timeline=None):
+    """Run the chapter's five tools on an in-memory store, the write approved; print each call's outcome, attempts
+    and time, the read batch's wall time against the sum of its calls' times, and how many times the write ran."""
+    timeline, (tools, ran) = timeline or Timeline(EXECUTOR_LIMITS, EXECUTOR_TOOLS), executor_tools()
+    with SqliteStore(":memory:") as store:
+        result = await run_agent(timeline.model(executor_model), registry=EXECUTOR_TOOLS, limits=EXECUTOR_LIMITS,
+                                 fixtures=timeline.tools(tools), accept=executor_accepted, on_event=timeline.event,
+                                 store=store, run_id="executor", approve=lambda write: "approve")
+    print(f"the executor: five tools, Limits(concurrency={EXECUTOR_LIMITS.concurrency})")
+    for record, title in zip(result["history"], ("four reads in one batch", "the write, approved")):
+        print(f"round {record['round']}, {title}:")
+        for obs in record["observations"]:
+            tried = timeline.calls.get(obs["call_id"], [])
+            attempts = obs.get("attempts", 1)
+            took = (tried[-1][1] - tried[0][0]) * 1000 if tried else 0.0
+            print(f"  {obs['name']:<12} {EXECUTOR_TOOLS[obs['name']].description:<43} "
+                  f"{'ok' if obs['ok'] else obs['error']:<13} {attempts} attempt{'s' if attempts > 1 else ' '} "
+                  f"{took:5.0f} ms")
+        if record["round"] == 1:
+            spans = [timeline.calls[obs["call_id"]] for obs in record["observations"]]
+            wall = max(tried[-1][1] for tried in spans) - min(tried[0][0] for tried in spans)
+            summed = sum(tried[-1][1] - tried[0][0] for tried in spans)
+            print(f"  the batch's wall time {wall * 1000:.0f} ms; its calls' times summed {summed * 1000:.0f} ms: "
+                  f"{summed / wall:.2f}x")
+    retried = {**EXECUTOR_TOOLS, "save_report": dataclasses.replace(EXECUTOR_TOOLS["save_report"], retries=3)}
+    try:  # the chapter's executor ignores max_retries on a write; run_agent refuses it before the model is asked
+        await run_agent(executor_model, registry=retried, fixtures=tools, accept=executor_accepted)
+    except ValueError:
+        print(f"  save_report ran {len(ran)} time{'s' if len(ran) != 1 else ''}, never again: retries=3 on a write is "
+              "a ValueError")
+    print(f"{result['status']}: {json.dumps(result['answer'])}")
+    return timeline, result
+
+
+async def _executor_command(args, parser):
+    with _svg_file(args.svg, parser) as svg:
+        timeline, result = await executor()
+        _draw([("executor", timeline, result)], args.timeline, svg)
+
+
+class _Executor(Part):
+    """The executor chapter's demo, as the core reads it: its command."""
+
+    commands = {"executor": ("the chapter's five tools: own time limits, retries, a cap on calls in flight",
+                             _drawing_options(lambda parser: None), _executor_command)}
 
 
 if __name__ == "__main__":

@@ -2472,13 +2472,18 @@ def random_limits(rng, fast=True):
     return Limits(
         rounds=rng.randint(0, 7), calls=rng.randint(0, 7), credits=rng.randint(0, 35), attempts=rng.randint(0, 3),
         tool_seconds=rng.choice([0.01, 0.03, 0.1]) if fast else 5, model_seconds=rng.choice([0.01, 0.03, 0.1]) if fast else 5,
-        total_seconds=rng.choice([0.05, 0.15, 0.3]) if fast else 30,
+        total_seconds=rng.choice([0.05, 0.15, 0.3]) if fast else 30, concurrency=rng.randint(1, 4),
     )
 
 
 def random_registry(rng):
-    return {name: dataclasses.replace(spec, read_only=rng.random() > 0.1, parallel_safe=rng.random() > 0.4)
-            for name, spec in TOOLS.items()}
+    registry = {}
+    for name, spec in TOOLS.items():  # a read may be tried again, and may have a time limit of its own
+        read_only = rng.random() > 0.1
+        registry[name] = dataclasses.replace(spec, read_only=read_only, parallel_safe=rng.random() > 0.4,
+                                             retries=rng.choice([0, 0, 1, 2]) if read_only else 0,
+                                             backoff=(0.001, 0.004), seconds=rng.choice([None, None, 0.02]))
+    return registry
 
 
 def random_failures(rng):
@@ -2492,7 +2497,7 @@ WHY_FIELDS = ("call_id", "name", "reason", "error_type", "rejected")  # what a f
 class InvariantTests(RuntimeTestCase):
     """PART 4: the invariants of every result, on seeded random runs and on named hostile cases."""
 
-    def assertInvariants(self, result, limits, fixtures, seed, *, default_accept=True):
+    def assertInvariants(self, result, limits, fixtures, seed, *, default_accept=True, registry=None):
         where = f"seed {seed} (replay: AGENT_LOOP_SEED={seed})"
         self.assertEqual(set(result), {"status", "answer", "used", "history", "trace"}, where)
         self.assertIn(result["status"], STOP_STATUSES, where)
@@ -2518,14 +2523,23 @@ class InvariantTests(RuntimeTestCase):
         for record in result["history"]:
             self.assertEqual([obs["call_id"] for obs in record["observations"]],
                              [item["call_id"] for item in record["calls"]], where)
-        self.assertFixturesClean(fixtures, where)
+        tries = {item["call_id"]: 1 + (registry or TOOLS)[item["name"]].retries for record in result["history"]
+                 for item in record["calls"] if item["name"] in (registry or TOOLS)}
+        self.assertFixturesClean(fixtures, where, tries)
         self.assertLessEqual(set(fixtures.started), set(admitted), where)  # nothing ran that was not admitted
+        for record in result["history"]:  # a call started again only after a transient failure, and says so
+            for obs in record["observations"]:
+                started = fixtures.started.count(obs["call_id"])
+                self.assertEqual(obs.get("attempts", 1), max(started, 1), where)
         self.assertEqual(used["calls"], len(fixtures.started), where)  # every started call counted once
 
-    def assertFixturesClean(self, fixtures, where):
+    def assertFixturesClean(self, fixtures, where, tries=None):
+        """No call is running, each started one finished, and none started more often than its tool may try it
+        (tries: {call_id: most}; once, by default; None: three times, the most random_registry allows)."""
         self.assertEqual(fixtures.active, 0, where)
         self.assertEqual(sorted(fixtures.started), sorted(fixtures.finished), where)
-        self.assertEqual(len(fixtures.started), len(set(fixtures.started)), where)
+        for cid, started in collections.Counter(fixtures.started).items():
+            self.assertLessEqual(started, 3 if tries is None else tries.get(cid, 1), where)
         self.assertNoTaskLeft()
 
     async def asyncSetUp(self):
@@ -2598,7 +2612,7 @@ class InvariantTests(RuntimeTestCase):
             fixtures = HostileTools(rng, delays={})
             registry = random_registry(rng) if rng.random() < 0.5 else None
             result = await run_agent(limits=limits, fixtures=fixtures, registry=registry)
-            self.assertInvariants(result, limits, fixtures, seed)
+            self.assertInvariants(result, limits, fixtures, seed, registry=registry)
 
         await self.side_by_side(case, 300)
 
@@ -2608,8 +2622,9 @@ class InvariantTests(RuntimeTestCase):
             limits = random_limits(rng)
             delays = {key: rng.choice([0, 0.001, 0.01]) for key in ("north", "south", "compute_plan")}
             fixtures = Fixtures(failures=random_failures(rng), delays=delays, inject=rng.random() < 0.3)
-            result = await run_agent(limits=limits, fixtures=fixtures, registry=random_registry(rng))
-            self.assertInvariants(result, limits, fixtures, seed)
+            registry = random_registry(rng)
+            result = await run_agent(limits=limits, fixtures=fixtures, registry=registry)
+            self.assertInvariants(result, limits, fixtures, seed, registry=registry)
 
         await self.side_by_side(case, 150)
 
@@ -2656,7 +2671,7 @@ class InvariantTests(RuntimeTestCase):
             self.assertEqual(how, "task", where)
             self.assertFixturesClean(fixtures, where)  # every started tool was cancelled and awaited first
             return
-        self.assertInvariants(result, limits, fixtures, seed)
+        self.assertInvariants(result, limits, fixtures, seed, registry=registry)
         if how == "event" and fired and when != "timer":
             # Set while a tool ran: the cancel wins in bounded, and is checked before any fatal observation.
             self.assertEqual(result["status"], "cancelled", where)
@@ -2949,9 +2964,9 @@ def cut_module(folder, end=CORE_END):
     shutil.copytree(os.path.join(HERE, "schema_suite"), os.path.join(folder, "schema_suite"))
 
 
-# The classes of the runtime's later parts (PART 6-11), that the module cut at the banner runs as the whole does.
+# The classes of the runtime's later parts (PART 6-12), that the module cut at the banner runs as the whole does.
 RUNTIME_TESTS = ("FunctionToolsTests", "ObservedRefusalTests", "ProviderBridgeTests", "McpTests", "SavedRunTests",
-                 "WriteTests", "LeaseTests", "SqliteLeaseTests")
+                 "WriteTests", "LeaseTests", "SqliteLeaseTests", "AttemptTests")
 ALONE = {}  # the runs of a cut file's tests, by name: started when the whole suite loads, as they are slow
 
 
@@ -3034,7 +3049,7 @@ class LaterPartsTests(unittest.TestCase):
         self.assertEqual((every[:len(STATUSES)], len(set(every))), (STOP_STATUSES, len(every)))
         self.assertIn("superseded", every[len(STATUSES):])
         self.assertEqual(list(agent_loop.COMMANDS), ["demo"])
-        self.assertEqual(list(agent_loop.every_command()), ["demo", "scenarios", "bench"])
+        self.assertEqual(list(agent_loop.every_command()), ["demo", "scenarios", "bench", "executor"])
         self.assertIs(agent_loop.every_command()["demo"][2], agent_loop._drawn_demo)  # the timeline's draws its runs
 
 
@@ -4456,7 +4471,8 @@ class McpTests(RuntimeTestCase):
         async def hangs(sku):
             await asyncio.sleep(30)
 
-        for answer, error in ((raises, "tool_exception"), (odd, "tool_exception"), (hangs, "tool_timeout")):
+        # A read that lost its connection may be tried again: temporary (PART 4's tail).
+        for answer, error in ((raises, "temporary"), (odd, "tool_exception"), (hangs, "tool_timeout")):
             with self.subTest(error=error):
                 session = FakeSession({"read_stock": answer})
                 registry = agent_loop.mcp_registry(LISTED, read_only=("read_stock",))
@@ -5529,6 +5545,21 @@ class WriteTests(StoreTestCase):
                 self.assertEqual(asked, [] if fault == "temporary" else ["r3-order"])
                 self.assertEqual((result["status"], len(desk.effects)), ("completed", 1))  # placed later, once
 
+    async def test_a_write_that_lost_its_connection_is_reconciled_never_tried_again(self):
+        class Dropped(agent_loop.OrderDesk):  # it places the order, then the connection drops before the answer
+            async def invoke(self, call):
+                placed = await super().invoke(call)
+                if call["name"] == "place_order" and len(self.effects) == 1 and len(self.started) == 4:
+                    raise ConnectionError("private: reset by peer")
+                return placed
+
+        desk = Dropped(delays={})
+        result = await self.order(self.store(), desk, approve=lambda write: "approve")
+        order = result["history"][2]["observations"][0]
+        self.assertEqual((result["status"], order["ok"], order.get("reconciled")), ("completed", True, True))
+        self.assertEqual((desk.started.count("r3-order"), len(desk.effects)), (1, 1))  # not a read: never temporary
+        self.assertNoPrivateText(result)
+
     async def test_a_write_whose_thread_outlives_its_time_is_not_reconciled_until_the_thread_ends(self):
         release, effects, asked = threading.Event(), [], []
 
@@ -6600,6 +6631,191 @@ class PostgresLeaseTests(LeaseTests):
         self.assertClaimedApart(stores)
 
 
+# PART 12: a call's attempts: reads tried again unseen by the model, a tool's own time limit, a cap on calls in
+# flight
+
+class AttemptTests(RuntimeTestCase):
+    """PART 12: a call's attempts: a tool's own time limit, retries of a read the model never sees (full jitter, inside
+    the budgets and the deadline), a cap on calls in flight, and the calls a batch may hold."""
+
+    READ = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+
+    def flaky(self, failures, raised=TemporaryError):
+        """A read of n that fails `failures` times first, and the times it started."""
+        started = []
+
+        async def read(n):
+            started.append(n)
+            await asyncio.sleep(0)
+            if len(started) <= failures:
+                raise raised("private: busy")
+            return {"n": n}
+
+        return read, started
+
+    async def run_one(self, read, limits=ROOMY, **spec):
+        spec.setdefault("backoff", (0.001, 0.002))
+        registry = {"read": ToolSpec(1, True, True, parameters=self.READ, **spec)}
+        return await run_agent(scripted(calls(call("a", "read", n=1))), registry=registry, accept=never_accept,
+                               fixtures=PlainTools({"read": read}), limits=dataclasses.replace(limits, rounds=1))
+
+    async def test_a_read_that_fails_twice_with_two_retries_is_one_ok_observation_of_three_attempts(self):
+        read, started = self.flaky(2)
+        result = await self.run_one(read, retries=2)
+        (obs,) = observations(result)
+        self.assertEqual((obs["ok"], obs["data"], obs["attempts"], started), (True, {"n": 1}, 3, [1, 1, 1]))
+        self.assertEqual(result["used"], {"rounds": 1, "calls": 3, "credits": 6})  # each attempt is a call
+        retries = [event for event in result["trace"] if event["event"] == "retry"]
+        self.assertEqual([(event["call_id"], event["attempt"], event["after"]) for event in retries],
+                         [("a", 2, "temporary"), ("a", 3, "temporary")])
+
+    async def test_with_one_retry_the_last_failure_is_the_observation(self):
+        read, started = self.flaky(2)
+        result = await self.run_one(read, retries=1)
+        (obs,) = observations(result)
+        self.assertEqual((obs["error"], obs["retryable"], obs["attempts"], len(started)), ("temporary", True, 2, 2))
+        self.assertEqual(result["used"]["calls"], 2)
+        self.assertNoPrivateText(result)
+
+    async def test_without_retries_a_transient_failure_is_the_articles_observation(self):
+        read, started = self.flaky(1)
+        result = await self.run_one(read)
+        (obs,) = observations(result)
+        self.assertEqual((obs["error"], "attempts" in obs, len(started)), ("temporary", False, 1))
+
+    async def test_a_read_that_lost_its_connection_is_temporary_and_tried_again(self):
+        read, started = self.flaky(1, ConnectionError)
+        result = await self.run_one(read, retries=1)
+        self.assertEqual((observations(result)[0]["ok"], len(started)), (True, 2))
+        read, _ = self.flaky(1, ConnectionError)
+        result = await self.run_one(read)
+        self.assertEqual((errors(result), result["status"]), (["temporary"], "round_limit"))  # not tool_exception
+
+    async def test_a_tool_that_timed_out_is_tried_again_within_its_own_time_limit(self):
+        started = []
+
+        async def read(n):
+            started.append(n)
+            if len(started) == 1:
+                await asyncio.sleep(30)  # its own limit ends it; tool_seconds, 20, would not have yet
+            return {"n": n}
+
+        result = await self.run_one(read, Limits(tool_seconds=20, total_seconds=10), retries=1, seconds=0.05)
+        self.assertEqual((observations(result)[0]["ok"], observations(result)[0]["attempts"]), (True, 2))
+
+    async def test_a_retry_the_budgets_cannot_pay_for_is_not_made(self):
+        read, started = self.flaky(5)
+        result = await self.run_one(read, dataclasses.replace(ROOMY, calls=2), retries=5)
+        self.assertEqual((observations(result)[0]["attempts"], result["used"]["calls"], len(started)), (2, 2, 2))
+        # Beside a call not started yet, which keeps its share: no retry takes it.
+        read, started = self.flaky(5)
+        registry = {"read": ToolSpec(1, True, True, parameters=self.READ, backoff=(0.001, 0.002), retries=5)}
+        model = scripted(calls(call("a", "read", n=1), call("b", "read", n=2)))
+        result = await run_agent(model, registry=registry, fixtures=PlainTools({"read": read}), accept=never_accept,
+                                 limits=dataclasses.replace(ROOMY, rounds=1, calls=3, concurrency=1))
+        self.assertEqual((result["used"]["calls"], [obs.get("attempts", 1) for obs in observations(result)]),
+                         (3, [2, 1]))
+
+    async def test_a_retry_whose_wait_would_end_past_the_deadline_is_not_made(self):
+        read, started = self.flaky(5)
+        with unittest.mock.patch.object(agent_loop.random, "uniform", lambda low, high: high):  # the longest wait
+            registry = {"read": ToolSpec(1, True, True, parameters=self.READ, retries=5, backoff=(30, 60))}
+            result = await run_agent(scripted(calls(call("a", "read", n=1)), final("done")), registry=registry,
+                                     fixtures=PlainTools({"read": read}), accept=any_answer,
+                                     limits=Limits(tool_seconds=5, model_seconds=5, total_seconds=5))
+        # The model is asked again at once: had the run waited out the backoff, it would have run out of time.
+        self.assertEqual((result["status"], errors(result), len(started)), ("completed", ["temporary"], 1))
+
+    async def test_a_cancel_during_a_backoff_ends_the_wait_at_once(self):
+        read, started = self.flaky(5)
+        cancel = asyncio.Event()
+        registry = {"read": ToolSpec(1, True, True, parameters=self.READ, backoff=(30, 30), retries=5)}
+        waits = []  # asked for as the backoff begins
+        with unittest.mock.patch.object(agent_loop.random, "uniform", lambda low, high: waits.append(high) or high):
+            task = asyncio.create_task(run_agent(scripted(calls(call("a", "read", n=1))), registry=registry,
+                                                 fixtures=PlainTools({"read": read}), accept=never_accept,
+                                                 cancel=cancel, limits=Limits(tool_seconds=5, total_seconds=120)))
+            await wait_until(lambda: waits)
+            cancel.set()
+            result = await task  # long before the 30 s of its backoff: a status now, not then
+        self.assertEqual((result["status"], errors(result), len(started)), ("cancelled", ["temporary"], 1))
+
+    async def test_the_backoff_is_full_jitter_up_to_its_cap(self):
+        asked = []
+
+        def uniform(low, high):
+            asked.append((low, high))
+            return 0.0
+
+        read, _ = self.flaky(4)
+        with unittest.mock.patch.object(agent_loop.random, "uniform", uniform):
+            await self.run_one(read, retries=4, backoff=(0.01, 0.03))
+        self.assertEqual(asked, [(0, 0.01), (0, 0.02), (0, 0.03), (0, 0.03)])
+
+    async def test_at_most_concurrency_calls_are_in_flight_and_a_call_in_backoff_holds_no_slot(self):
+        flight, peak, order = [0], [0], []
+
+        async def read(n):
+            order.append(n)
+            flight[0] += 1
+            peak[0] = max(peak[0], flight[0])
+            try:
+                await asyncio.sleep(0.01)
+                if n == 0 and order.count(0) == 1:
+                    raise TemporaryError("busy")
+                return {"n": n}
+            finally:
+                flight[0] -= 1
+
+        for concurrency, backoff in ((2, (0.001, 0.001)), (1, (0.2, 0.2))):
+            with self.subTest(concurrency=concurrency):
+                flight[0] = peak[0] = 0
+                order.clear()
+                registry = {"read": ToolSpec(1, True, True, parameters=self.READ, backoff=backoff, retries=1)}
+                model = scripted(calls(*(call(f"c{n}", "read", n=n) for n in range(4))))
+                with unittest.mock.patch.object(agent_loop.random, "uniform", lambda low, high: high):
+                    result = await run_agent(model, registry=registry, fixtures=PlainTools({"read": read}),
+                                             accept=never_accept, limits=Limits(rounds=1, calls=5, concurrency=concurrency,
+                                                                                tool_seconds=5, total_seconds=30))
+                self.assertEqual(peak[0], concurrency)
+                self.assertEqual([obs["call_id"] for obs in observations(result)], ["c0", "c1", "c2", "c3"])
+                if concurrency == 1:  # c0 waits out its backoff: the others run in the meantime
+                    self.assertEqual(order, [0, 1, 2, 3, 0])
+
+    async def test_a_batch_holds_at_most_limits_batch_calls(self):
+        registry = {"read": ToolSpec(1, True, True, parameters=self.READ)}
+        for batch, size, status in ((4, 5, "invalid_batch"), (5, 5, "round_limit")):
+            with self.subTest(batch=batch, size=size):
+                model = scripted(calls(*(call(f"c{n}", "read", n=n) for n in range(size))))
+                result = await run_agent(model, registry=registry, fixtures=PlainTools({"read": lambda n: {"n": n}}),
+                                         accept=never_accept, limits=Limits(rounds=1, calls=5, batch=batch))
+                self.assertEqual(result["status"], status)
+        self.assertEqual(result["trace"][1]["ids"], ["c0", "c1", "c2", "c3", "c4"])
+
+    async def test_a_retry_is_no_attempt_of_the_repeat_limit(self):
+        read, started = self.flaky(1)
+        registry = {"read": ToolSpec(1, True, True, parameters=self.READ, backoff=(0.001, 0.001), retries=1)}
+        model = scripted(calls(call("a", "read", n=1)), calls(call("b", "read", n=1)), calls(call("c", "read", n=1)))
+        result = await run_agent(model, registry=registry, fixtures=PlainTools({"read": read}), accept=never_accept,
+                                 limits=dataclasses.replace(ROOMY, rounds=3, attempts=2))
+        self.assertEqual((result["status"], result["used"]["calls"]), ("repeat_limit", 3))  # a's 2, b's 1
+
+    async def test_what_a_tool_declares_of_its_attempts_must_be_what_they_can_be(self):
+        cases = [(dict(seconds=0), "read: seconds must be a finite number > 0, or None"),
+                 (dict(seconds=math.inf), "read: seconds must be a finite number > 0, or None"),
+                 (dict(retries=-1), "read: retries must be an int >= 0, and 0 but for a read: a write is never tried again"),
+                 (dict(retries=True), "read: retries must be an int >= 0, and 0 but for a read: a write is never tried again"),
+                 (dict(retries=1, read_only=False), "read: retries must be an int >= 0, and 0 but for a read: a write is "
+                                                    "never tried again"),
+                 (dict(backoff=(0.2, 0.1)), "read: backoff must be (base, cap): seconds, 0 < base <= cap"),
+                 (dict(backoff=[0.1, 0.2]), "read: backoff must be (base, cap): seconds, 0 < base <= cap")]
+        for spec, message in cases:
+            with self.subTest(spec=spec):
+                registry = {"read": dataclasses.replace(ToolSpec(1, True, True, parameters=self.READ), **spec)}
+                await self.assertRefusedBeforeTheModelIsAsked(message, registry=registry, accept=never_accept,
+                                                              fixtures=PlainTools({"read": dict}))
+
+
 class StandaloneRuntimeTests(unittest.TestCase):
     """PART 1-11 stand alone: the file cut at the banner is the whole runtime. It prints the demo's transcript, has no
     command but demo, and passes the tests of the runtime's later parts (own tools, refusals, bridges, MCP, named
@@ -6810,7 +7026,7 @@ class BenchTests(unittest.TestCase):
 
     def test_help_lists_the_commands_of_the_whole_module(self):
         done = run_command("--help")
-        self.assertEqual((done.returncode, list(agent_loop.every_command())), (0, ["demo", "scenarios", "bench"]))
+        self.assertEqual((done.returncode, list(agent_loop.every_command())), (0, ["demo", "scenarios", "bench", "executor"]))
         for command in agent_loop.every_command():
             self.assertIn(f"    {command} ", done.stdout)
 
@@ -6850,6 +7066,13 @@ class BenchTests(unittest.TestCase):
             with self.subTest(k=k):
                 self.assertGreaterEqual(modes["serial"]["min"], int(k) * 0.999)
                 self.assertGreaterEqual(modes["parallel"]["min"], 0.999)
+        # Under a cap of c calls in flight, 8 waits of 50 ms take at least ceil(8 / c) of them, one after another.
+        waves = figures["concurrency_ms"]
+        self.assertEqual({c: row["ideal_ms"] for c, row in waves.items()}, {"1": 400, "2": 200, "4": 100, "8": 50})
+        for c, row in waves.items():
+            with self.subTest(concurrency=c):
+                self.assertGreaterEqual(row["wall_ms"]["min"], row["ideal_ms"] * 0.999)
+        self.assertTrue(all(math.isfinite(value) for value in figures["retry_us"].values()))
 
     def test_the_bench_measures_the_stores_cost_per_round_at_each_length(self):
         figures = asyncio.run(agent_loop._store_cost(quick=True))
@@ -7016,6 +7239,30 @@ class TimelineTests(RuntimeTestCase):
                 self.assertIn("a Timeline draws a run it recorded whole", done.stderr)
             with open(path, encoding="utf-8") as file:
                 self.assertEqual(file.read(), "kept")
+
+    async def test_each_attempt_is_a_bar_of_its_own_with_its_backoff_between(self):
+        tried = []
+
+        async def read(sku):
+            tried.append(sku)
+            await asyncio.sleep(0.02)
+            if len(tried) < 3:
+                raise TemporaryError if len(tried) == 1 else TimeoutError
+            return {"stock": 1}
+
+        registry = {"read": ToolSpec(1, True, True, parameters=READ, retries=2, backoff=(0.05, 0.05))}
+        with unittest.mock.patch.object(agent_loop.random, "uniform", lambda low, high: high):
+            timeline, result = await self.drawn(PlainTools({"read": read}), registry=registry, accept=never_accept,
+                                                model=scripted(calls(call("a", "read", sku="A"))),
+                                                limits=dataclasses.replace(ROOMY, rounds=1))
+        (row,) = [line for line in timeline.text(result).splitlines() if line.startswith("  a read")]
+        self.assertEqual(re.sub(r"(.)\1*", r"\1", row[30:].strip()), "=~=~= ok")  # three bars, two backoffs
+        svg = xml.etree.ElementTree.fromstring(timeline.svg(result).split("\n", 1)[1])
+        shades = [rect.get("fill") for rect in svg.iter("{http://www.w3.org/2000/svg}rect")
+                  if rect.findtext("{http://www.w3.org/2000/svg}title", "").startswith("a read")]
+        self.assertEqual(shades, [agent_loop._COLOURS[code] for code in ("temporary", "tool_timeout", "ok")])
+        self.assertEqual(len([line for line in svg.iter("{http://www.w3.org/2000/svg}line")
+                              if line.get("class") == "backoff"]), 1)
 
     async def test_the_readmes_drawings_are_those_of_the_runs_they_name(self):
         drawings = [block for block in re.findall(r"```\n(.*?)```", readme_section("See a run on a time axis"), re.S)
@@ -7349,6 +7596,40 @@ class TimelineRecorderTests(RuntimeTestCase):
                 self.assertEqual(len(seen), len(result["trace"]))  # the watcher saw every event
                 self.assertEqual([event for _, event in timeline.events], result["trace"])
                 self.assertTrue(timeline.text(result).splitlines()[-1].startswith("completed: "))
+
+
+# PART 17: the executor chapter's demo
+
+class ExecutorTests(RuntimeTestCase):
+    """PART 17: the chapter's five tools: four reads in flight at once, each under its own limit or retries, then a
+    write that fails once and never runs again."""
+
+    async def test_the_reads_run_at_once_each_as_its_tool_says_and_the_write_runs_once(self):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            timeline, result = await agent_loop.executor()
+        self.assertEqual((result["status"], result["answer"]),
+                         ("completed", {"fetch_page": "ok", "read_file": "ok", "flaky_quote": "ok",
+                                        "stuck_feed": "tool_timeout", "save_report": "temporary"}))
+        reads, (write,) = (record["observations"] for record in result["history"][:2])
+        self.assertEqual([obs.get("attempts", 1) for obs in reads], [1, 1, 3, 1])  # the flaky read's, unseen
+        spans = [timeline.calls[obs["call_id"]] for obs in reads]
+        self.assertLess(max(tried[0][0] for tried in spans), min(tried[-1][1] for tried in spans))  # all in flight
+        self.assertEqual((len(timeline.calls[write["call_id"]]), write["retryable"]), (1, True))
+        lines = printed.getvalue().splitlines()
+        self.assertIn("  save_report ran 1 time, never again: retries=3 on a write is a ValueError", lines)
+        wall, summed = map(int, re.search(r"wall time (\d+) ms; its calls' times summed (\d+) ms", printed.getvalue()
+                                          ).groups())
+        self.assertLess(wall, summed)  # side by side: the batch took its slowest call's time, not the sum
+        self.assertIn("^ seconds", timeline.text(result))  # cut by the stuck read's own limit, not tool_seconds
+
+    def test_the_readme_shows_the_command_as_it_prints(self):
+        done = run_command("executor")
+        (shown,) = [block for block in code_blocks(readme_section("Retries, time limits and calls in flight"), "")
+                    if "the executor" in block]
+        numbers = functools.partial(re.sub, r" *\d+", " N")  # its times, as wide as they come
+        self.assertEqual((done.returncode, numbers(shown)), (0, numbers(done.stdout)))
+
 
 
 # The README's examples, and the result-ownership experiment (result_ownership.py, verify_ownership.py,
