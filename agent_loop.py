@@ -667,7 +667,7 @@ def _admit(item, ids, signatures, used_ids, attempts, registry, limits, writes=F
     ids.add(cid)
     if type(name) is not str or name not in registry:
         raise Stop("unknown_tool", **_about(cid, name), reason="no tool of that name")
-    if authorize and (refused := authorize(name)):  # a later part's gate, as (status, reason): a catalog's (PART 12)
+    if authorize and (refused := authorize(name)):  # a later part's gate, as (status, reason): a catalog's (PART 13)
         raise Stop(refused[0], **_about(cid, name), reason=refused[1])
     if registry[name].read_only is not True and not writes:  # with writes, a gate decides if a write runs (PART 10)
         raise Stop("permission_denied", **_about(cid, name), reason="the tool is not read-only")
@@ -792,7 +792,7 @@ class Run:
     ids: set = field(default_factory=set)  # the ledger: every call id it has used, in any round
     attempts: Counter = field(default_factory=Counter)  # how often each call signature was admitted
     writes: bool = False  # a gate decides whether each write runs (PART 10): preflight lets writes through
-    authorize: Callable | None = None  # a later part's check of each call, in preflight (PART 12)
+    authorize: Callable | None = None  # a later part's check of each call, in preflight (PART 13)
     cancel_wait: asyncio.Task | None = None  # one wait on the cancel event, for every wait of the run
 
     def time_left(self):
@@ -847,7 +847,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
     accept is the final check, a plain function of copies of the answer and history; on_event, a plain or async
     function, watches a copy of each event; on_refused names what a refused batch becomes: "stop" (the run stops)
     or a later part's policy ("observe"); options are the later parts' (Part): store, run_id, approve, approvals
-    (PART 10), catalog, grants (PART 12)."""
+    (PART 10), catalog, grants (PART 13)."""
     run = await _checked_run(model, limits, fixtures, cancel, registry, accept, on_refused, on_event, options)
     try:
         ended = await run.seam("resume")  # a saved run put back where it stopped; an ended one, its stored result
@@ -1007,12 +1007,15 @@ class Part:
     run(args, parser)); a later part's replaces an earlier one of its name) and options (the run_agent keywords it
     takes). join(run, given) makes its seams for a run given those options (or whose registry or limits ask for the
     part: a read with retries), or None: a run that asks for none of a part meets none of its seams, and the
-    article's run meets none at all. A seam is a method named for the step
-    of the article it serves; it gets the run and a value, and returns what becomes of the value:
+    article's run meets none at all. Parts join in the order they are defined, but one that is `last` (a store's
+    journal, which checks what it holds for the run as the others made it, then claims it) joins after the others.
+    A seam is a method named for the step of the article it serves; it gets the run and a value, and returns what
+    becomes of the value:
       resume(None): before the first round: a saved run put back; the stored result, if it has ended;
       spent(None): a step that spends was taken: a decision paid, a batch admitted, a call or a batch observed, a
         refused batch recorded;
       offer(None): before a decision is read: the tools its batch may call (run.registry), and run.authorize;
+      tools(registry, history): the tools a run with this history may call (the registry, and a catalog's loaded);
       gate(None, record, calls): before the calls of a batch start: observations instead (none of them starts), or Stop;
       attempts(observe, calls): how each of those calls is tried: a function of the call that returns its observation;
       before_call(call, item): the call as its tool gets it; a Stop: it neither starts nor counts;
@@ -1023,6 +1026,7 @@ class Part:
 
     statuses = errors = options = ()
     refusals = commands = types.MappingProxyType({})
+    last = False
 
     @classmethod
     async def join(cls, run, given):
@@ -1081,17 +1085,18 @@ async def _checked_run(model, limits, fixtures, cancel, registry, accept, on_ref
         if on_event is not None and not _a_function(on_event):
             raise ValueError("on_event must be a function or None")
         run = Run(limits, registry, tools, cancel, on_event, accept, refusals[on_refused])
-        for kind in kinds:  # last, once all else holds: a store checks what it holds for this run, then claims it
+        for kind in sorted(kinds, key=lambda kind: kind.last):  # once all else holds; a store's last (Part.last)
             part = await kind.join(run, {name: options.get(name) for name in kind.options})
             if part is not None:
                 joined.append(part)
+                run.parts = tuple(joined)  # a part that joins later may ask those before it, at their seams
     except ValueError:
         for part in joined:
             await part.close(run, None)
         for kind in kinds:
             await kind.refused(options)
         raise
-    run.parts, run.deadline = tuple(joined), loop.time() + limits.total_seconds  # (a resumed run's, less its past)
+    run.deadline = loop.time() + limits.total_seconds  # (a resumed run's, less its past)
     run.cancel_wait = asyncio.create_task(cancel.wait())  # one wait on the cancel event, for the whole run
     return run
 
@@ -1133,6 +1138,11 @@ def _checked_registry(registry):
             raise ValueError(f"{name}: declare its parameters, a validate function, or both")
         if spec.seconds is not None and not _a_time_limit(spec.seconds):
             raise ValueError(f"{name}: seconds must be a finite number > 0, or None")
+        if type(spec.retries) is not int or spec.retries < 0 or spec.retries and (not spec.read_only or spec.job):
+            raise ValueError(f"{name}: retries must be an int >= 0, and 0 but for a read: a write is never tried again")
+        if type(spec.backoff) is not tuple or len(spec.backoff) != 2 or not all(map(_a_time_limit, spec.backoff)) \
+                or spec.backoff[0] > spec.backoff[1]:
+            raise ValueError(f"{name}: backoff must be (base, cap): seconds, 0 < base <= cap")
         try:
             spec._schema_check  # prepared once per ToolSpec, from its own copy of the schema
         except ValueError as problem:
@@ -1726,7 +1736,7 @@ async def _ask(create, request):
 
 
 def _model(create, options, turns, replay, tools, decide):
-    """A model for run_agent: one request per decision, the task's turns then history replayed, the tools offered."""
+    """A model for run_agent: one request per decision, the task's turns then history replayed, and tools(history)."""
     if not _callable_object(create):
         raise ValueError("create must be your client's method, such as client.responses.create")
     key, first = turns
@@ -1736,10 +1746,21 @@ def _model(create, options, turns, replay, tools, decide):
                              f"opening turns as task")
 
     async def model(history):
-        request = {**options, key: [*_copy(first), *replay(history)], "tools": _copy(tools)}
+        request = {**options, key: [*_copy(first), *replay(history)], "tools": _copy(tools(history))}
         return decide(await _ask(create, request))
 
     return model
+
+
+def _offered(tools, registry, catalog):
+    """The tools of each request, a function of history: the registry's, as tools() declares them; with a catalog
+    (PART 13), its two tools and those this history loaded too, and nothing else the catalog holds."""
+    offered = tools(registry)  # a registry that cannot be offered is a ValueError now, not at the first request
+    if catalog is None:
+        return lambda history: offered
+    if not callable(getattr(catalog, "offered", None)):
+        raise ValueError("catalog must be a Catalog")
+    return lambda history: [*offered, *tools(catalog.offered(history))]
 
 
 def _task(task):
@@ -1797,9 +1818,10 @@ def responses_input(history):
     return items
 
 
-def responses_model(create, task, registry=TOOLS, **options):
+def responses_model(create, task, registry=TOOLS, catalog=None, **options):
     """A model for run_agent that asks a Responses API create() for every decision; options go into every request."""
-    return _model(create, options, ("input", _task(task)), responses_input, responses_tools(registry), from_responses)
+    return _model(create, options, ("input", _task(task)), responses_input,
+                  _offered(responses_tools, registry, catalog), from_responses)
 
 
 # OpenAI Chat Completions (also what vLLM, llama.cpp, Ollama and others serve)
@@ -1841,9 +1863,10 @@ def chat_messages(history):
     return messages
 
 
-def chat_model(create, task, registry=TOOLS, **options):
+def chat_model(create, task, registry=TOOLS, catalog=None, **options):
     """A model for run_agent that asks a Chat Completions create() for every decision; options go into every request."""
-    return _model(create, options, ("messages", _task(task)), chat_messages, chat_tools(registry), from_chat)
+    return _model(create, options, ("messages", _task(task)), chat_messages, _offered(chat_tools, registry, catalog),
+                  from_chat)
 
 
 # Anthropic Messages
@@ -1898,12 +1921,13 @@ def messages_input(history):
     return messages
 
 
-def messages_model(create, task, registry=TOOLS, **options):
+def messages_model(create, task, registry=TOOLS, catalog=None, **options):
     """A model for run_agent that asks a Messages API create() for every decision; options (max_tokens is required
     by the API) go into every request."""
     if "max_tokens" not in options:
         raise ValueError("messages_model needs max_tokens: the Messages API requires it")
-    return _model(create, options, ("messages", _task(task)), messages_input, messages_tools(registry), from_messages)
+    return _model(create, options, ("messages", _task(task)), messages_input,
+                  _offered(messages_tools, registry, catalog), from_messages)
 
 
 # PART 9: tools from an MCP server, under the same preflight, budgets and time limits
@@ -2145,6 +2169,7 @@ class _Journal(Part):
     statuses = ("superseded", "store_failed", "awaiting_approval", "approval_expired", "unknown_outcome")
     errors = ("interrupted", "rejected", "not_applied")  # interrupted: a call a crash cut, started or not
     options = ("store", "run_id", "approve", "approvals")
+    last = True  # it checks what the store holds for the run as the other parts made the run, then claims it
 
     @classmethod
     async def join(cls, run, given):
@@ -2225,7 +2250,9 @@ class _Journal(Part):
     async def _load(self, run):
         """The run as saved, checked: ValueError for one of another version or config, or that is not such data."""
         saved, why = await self._stored(self.store.load, self.run_id), None
-        if saved is not None and not _a_saved_run(saved, run.registry, run.limits):
+        registry = await run.seam("tools", dict(run.registry), saved["history"]) if _has_keys(saved, _SAVED_KEYS) \
+            and type(saved["history"]) is list else run.registry  # with what it loaded from a catalog, say
+        if saved is not None and not _a_saved_run(saved, registry, run.limits):
             why = "what the store holds for it is not a run this version saved"
         elif saved is not None and saved["config"] != self.config:
             why = "saved with another registry or other limits"
@@ -2265,6 +2292,7 @@ class _Journal(Part):
         run.history.extend(saved["history"])
         run.trace.extend(saved["trace"])
         run.deadline -= self.elapsed  # a resumed run's time counts from its first start
+        run.registry = await run.seam("tools", run.registry, run.history)  # what its history may call (PART 13)
         refused = {event["round"] for event in run.trace if event["event"] == "refused"}
         for record in run.history:  # the ledger and the repeat counts, as they were: nothing is forgotten
             run.ids.update(item["call_id"] for item in record["calls"])
@@ -3122,63 +3150,434 @@ class Attempts(Part):
     At most limits.concurrency attempts run at once. A read that failed with one of TRANSIENT (a lost connection is
     temporary) is tried again, up to its retries, after a random wait of up to min(cap, base * 2 ** (r - 1)) before
     retry r (full jitter; ToolSpec.backoff = (base, cap)), holding no slot while it waits. A retry is a call: it is
-    charged as one, and made only if the budgets can pay for it beside every attempt of the batch not started yet
-    (the calls waiting for a slot, the retries decided before), and if its wait ends before the deadline; a cancel
-    ends the wait. The model sees one observation per call, the first success or the last failure, with "attempts"
-    once there was more than one; the trace has a "retry" event when each retry starts, saying after what error.
-    Limits.attempts counts the model's calls of a signature, never these."""
+    charged as one, and made only if the budgets can pay for it beside every attempt of the batch already made or
+    still to come (each call once, and the retries decided before), and if its wait ends before the deadline; a
+    cancel ends the wait. The model sees one observation per call, the first success or the last failure of an
+    attempt that started, with "attempts" once more than one started; the trace has a "retry" event as each retry is
+    about to start, saying after what error. Limits.attempts counts the model's calls of a signature, never these.
+    A plain function's attempt that timed out runs on in its thread (FunctionTools): its retry starts a thread of its
+    own, so the cap bounds the attempts the run waits for, not the threads it gave up on."""
 
     @classmethod
     async def join(cls, run, given):
-        for name, spec in run.registry.items():
-            if type(spec.retries) is not int or spec.retries < 0 or spec.retries and (not spec.read_only or spec.job):
-                raise ValueError(f"{name}: retries must be an int >= 0, and 0 but for a read: a write is never tried "
-                                 "again")
-            if type(spec.backoff) is not tuple or len(spec.backoff) != 2 or not all(map(_a_time_limit, spec.backoff)) \
-                    or spec.backoff[0] > spec.backoff[1]:
-                raise ValueError(f"{name}: backoff must be (base, cap): seconds, 0 < base <= cap")
         retried = any(spec.retries for spec in run.registry.values())
         return cls() if retried or run.limits.concurrency < run.limits.batch else None
 
     async def attempts(self, run, observe, calls):
         """tried(item): the observation of one of these calls, after its attempts."""
-        slots, ahead = asyncio.Semaphore(run.limits.concurrency), {"calls": len(calls),
-                                                                    "credits": _cost(run.registry, calls)}
+        slots, started = asyncio.Semaphore(run.limits.concurrency), Counter()
+        # What the batch will have cost once every attempt made or decided has been charged: each call once, now.
+        whole = {"calls": run.used["calls"] + len(calls), "credits": run.used["credits"] + _cost(run.registry, calls)}
+
+        async def attempt(item):  # one attempt, and whether it started (an attempt a stop overtook did not)
+            before = started[item["call_id"]]
+            obs = await observe(item)
+            return obs, started[item["call_id"]] > before
+
+        self.started = started  # counted by after_call, which only an attempt that started reaches
 
         async def tried(item):
-            spec, attempt, after = run.registry[item["name"]], 1, None
+            spec, attempt_number, last = run.registry[item["name"]], 1, None
             while True:
                 async with slots:
-                    ahead["calls"], ahead["credits"] = ahead["calls"] - 1, ahead["credits"] - spec.cost  # it starts
-                    if after is not None:  # a retry: the trace says when it started, and after what
+                    if last is not None:  # a retry: the trace says when it is about to start, and after what
                         await run.emit({"event": "retry", "round": run.history[-1]["round"], "call_id": item["call_id"],
-                                        "attempt": attempt, "after": after, **run.used})
-                    obs = await observe(item)
-                obs = {**obs, "attempts": attempt} if attempt > 1 else obs
-                wait = _backoff(run, spec, obs, attempt, ahead)
+                                        "attempt": attempt_number, "after": last["error"], **run.used})
+                    obs, began = await attempt(item)
+                if last is not None and not began:  # overtaken by a stop: the last failure is the observation
+                    return last
+                obs = {**obs, "attempts": attempt_number} if attempt_number > 1 else obs
+                wait = _backoff(run, spec, obs, attempt_number, whole)
                 if wait is None:
                     return obs
-                ahead["calls"], ahead["credits"] = ahead["calls"] + 1, ahead["credits"] + spec.cost  # the retry's share
+                whole["calls"], whole["credits"] = whole["calls"] + 1, whole["credits"] + spec.cost  # decided
                 try:
                     await run.wait(partial(asyncio.sleep, wait), wait + 1)  # a cancel ends it, as any wait of the run
                 except (Stop, TimeoutError):
                     return obs  # cut by the cancel or the deadline: the last failure is the observation
-                attempt, after = attempt + 1, obs["error"]
+                except Exception as error:  # the wait failed: something cancelled the run's wait on its cancel event
+                    return {**_tool_failure(item, error), "attempts": attempt_number}
+                attempt_number, last = attempt_number + 1, obs
 
         return tried
 
+    async def after_call(self, run, obs, item):
+        self.started[item["call_id"]] += 1
+        return obs
 
-def _backoff(run, spec, obs, attempt, ahead):
+
+def _backoff(run, spec, obs, attempt, whole):
     """The seconds to wait before another attempt of this call, or None: not a read that failed transiently with
-    retries left, no room in the budgets beside the attempts ahead, or no time. Full jitter: a random wait of up to
-    min(cap, base * 2 ** (attempt - 1))."""
-    used, limits, (base, cap) = run.used, run.limits, spec.backoff
+    retries left, no room in the budgets beside every attempt made or decided (whole: what they will have cost), or
+    no time. Full jitter: a random wait of up to min(cap, base * 2 ** (attempt - 1))."""
+    limits, (base, cap) = run.limits, spec.backoff
     if obs["ok"] or obs["error"] not in TRANSIENT or attempt > spec.retries or \
-            used["calls"] + ahead["calls"] + 1 > limits.calls or \
-            used["credits"] + ahead["credits"] + spec.cost > limits.credits:
+            whole["calls"] + 1 > limits.calls or whole["credits"] + spec.cost > limits.credits:
         return None
-    wait = random.uniform(0, min(cap, base * 2 ** (attempt - 1)))
+    wait = random.uniform(0, min(cap, base * 2.0 ** min(attempt - 1, 1023)))  # (2.0 ** 1024 is past a float)
     return wait if asyncio.get_running_loop().time() + wait < run.deadline else None  # it would end past the deadline
+
+
+# PART 13: three hundred tools: a catalog that finds what an identity may use, loads definitions whole under a byte
+# budget, and authorizes each call again at the gate
+#
+# Four sets, kept apart: the catalog (every entry registered), what these grants may discover (a tool they may not
+# use is never named, not even as "no such tool"), the definitions this run has loaded (its history holds them), and
+# what may run right now (the grants and the definitions as they stand when the batch is admitted).
+
+CATALOG_TOOLS = ("search_tools", "load_tools")  # the catalog's own tools, which a catalog run always has
+
+
+def _utf8_json(value):
+    """value as canonical JSON text in UTF-8 bytes: sorted keys, fixed separators, and text as it is, not escaped."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def fingerprint(value):
+    """The SHA-256 of value's canonical JSON in UTF-8, in hex: a catalog definition's digest, a job result's."""
+    return hashlib.sha256(_utf8_json(value)).hexdigest()
+
+
+@dataclass(frozen=True)
+class _Entry:
+    spec: ToolSpec
+    keywords: frozenset  # case-folded
+    permission: str
+    definition: dict  # what a model is told: name, description, parameters, effect, version
+    digest: str
+
+
+def _grants(grants):
+    """grants as a frozenset of permissions; ValueError for anything but a set of strings."""
+    if type(grants) not in (set, frozenset) or not all(type(grant) is str for grant in grants):
+        raise ValueError("grants must be a set of permission names")
+    return frozenset(grants)
+
+
+class Catalog:
+    """Tools registered under a permission, with search keywords and a version: search among what given grants may
+    use, load whole definitions under a byte budget, and authorize a call again when it runs.
+
+    add(name, spec, keywords, permission, version) registers a ToolSpec (its parameters declared: they are what a
+    model is told); its definition is {"name", "description", "parameters", "effect" ("read" or "write", from
+    spec.read_only), "version"}, and its digest the fingerprint of that definition. Adding a name again replaces its
+    entry only with a higher version. In a run (run_agent(..., catalog=catalog, grants=grants)), budget_bytes bounds
+    each load the model asks for; PART 13's _CatalogRun says the rest."""
+
+    def __init__(self, budget_bytes=4096):
+        if type(budget_bytes) is not int or budget_bytes < 0:
+            raise ValueError("budget_bytes must be an int >= 0")
+        self.budget_bytes, self.entries, self.digests = budget_bytes, {}, {}  # digests: every one each name has had
+
+    def add(self, name, spec, keywords=(), permission="", version=1):
+        """Register spec under name, or replace its entry with a higher version; ValueError, naming the tool, else."""
+        if type(name) is not str or not REPLAYABLE_NAME.fullmatch(name):
+            raise ValueError("a catalog name is 1 to 64 letters, digits, _ or -, as every provider takes it")
+        if name in CATALOG_TOOLS:
+            raise ValueError(f"{name}: the name of one of the catalog's own tools")
+        _checked_registry({name: spec})
+        if spec.parameters is None:
+            raise ValueError(f"{name}: a catalog entry declares its parameters: they are what a model is told")
+        if type(keywords) not in (list, tuple, set, frozenset) or not all(type(word) is str for word in keywords):
+            raise ValueError(f"{name}: keywords must be a collection of strings")
+        if type(permission) is not str or not permission:
+            raise ValueError(f"{name}: permission must be a non-empty string")
+        if type(version) is not int or version < 1:
+            raise ValueError(f"{name}: version must be an int >= 1")
+        if name in self.entries and version <= self.entries[name].definition["version"]:
+            raise ValueError(f"{name}: version {version} does not replace version "
+                             f"{self.entries[name].definition['version']}: a new entry needs a higher one")
+        definition = {"name": name, "description": spec.description, "parameters": spec._schema_check.schema,
+                      "effect": "read" if spec.read_only else "write", "version": version}
+        digest = fingerprint(definition)
+        self.entries[name] = _Entry(spec, frozenset(word.casefold() for word in keywords), permission,
+                                    _copy(definition), digest)
+        self.digests.setdefault(name, set()).add(digest)
+
+    def search(self, query, grants, limit=5):
+        """The summaries ({"name", "description", "effect", "version", "digest"}, never a schema) of the entries these
+        grants may use whose keywords the query's words hit, most hits first, ties by name; at most limit; [] if
+        none hits: never the nearest tool."""
+        if type(query) is not str:
+            raise ValueError("query must be a string")
+        if type(limit) is not int or limit < 1:
+            raise ValueError("limit must be an int >= 1")
+        words, grants = set(query.casefold().split()), _grants(grants)
+        hits = [(-len(entry.keywords & words), name) for name, entry in self.entries.items()
+                if entry.permission in grants]  # filtered before scoring: a hidden entry is never scored
+        return [self._summary(name) for score, name in sorted(hits) if score < 0][:limit]
+
+    def load(self, names, grants, budget_bytes=4096):
+        """{"tools": [definition with its "digest", ...], "bytes": the UTF-8 size of their canonical JSON}, all of
+        them or none: {"error": "unknown_tool", "name"} for a name absent or hidden alike, {"error":
+        "stale_definition", "name", "version"} for a summary whose digest is no longer its entry's, {"error":
+        "definition_budget_exceeded", "bytes", "budget"} for definitions past the budget. A name may be given as a
+        string or as a search summary."""
+        grants = _grants(grants)
+        if type(names) is not list or not names:
+            raise ValueError("names must be a non-empty list of names or search summaries")
+        if type(budget_bytes) is not int or budget_bytes < 0:
+            raise ValueError("budget_bytes must be an int >= 0")
+        tools = {}
+        for asked in names:
+            if type(asked) is dict and type(asked.get("name")) is str and type(asked.get("digest")) is str:
+                name, digest = asked["name"], asked["digest"]
+            elif type(asked) is str:
+                name, digest = asked, None
+            else:
+                raise ValueError("names must be a non-empty list of names or search summaries")
+            entry = self.entries.get(name)
+            if entry is None or entry.permission not in grants:
+                return {"error": "unknown_tool", "name": name}
+            if digest is not None and digest != entry.digest:
+                return {"error": "stale_definition", "name": name, "version": entry.definition["version"]}
+            tools[name] = {**_copy(entry.definition), "digest": entry.digest}
+        size = len(_utf8_json(list(tools.values())))
+        if size > budget_bytes:
+            return {"error": "definition_budget_exceeded", "bytes": size, "budget": budget_bytes}
+        return {"tools": list(tools.values()), "bytes": size}
+
+    def authorize(self, name, digest, grants):
+        """None if name's entry may run: these grants hold its permission and digest is its current one; else
+        "stale_definition" (permitted, but the digest is of an older version), "denied" (a digest it gave out for the
+        entry, but the grants no longer hold its permission) or "unknown_tool"."""
+        entry = self.entries.get(name) if type(name) is str else None
+        if entry is None or digest not in self.digests[name]:
+            return "unknown_tool"
+        if entry.permission not in _grants(grants):
+            return "denied"
+        return None if digest == entry.digest else "stale_definition"
+
+    def offered(self, history):
+        """The tools a request offers a model in a run with this history, beyond its registry: the catalog's two and
+        each one its history loaded, as loaded (a model is told what it loaded, and the gate says if it may run)."""
+        offered = dict(_CATALOG_SPECS)
+        for name, definition in _loaded(history).items():
+            with contextlib.suppress(ValueError, KeyError):  # a definition a hand-edited store spoilt is not offered
+                spec = ToolSpec(1, definition["effect"] == "read", False, description=definition["description"],
+                                parameters=definition["parameters"])
+                offered[name] = _checked_registry({name: spec})[name]
+        return offered
+
+    def _summary(self, name):
+        definition = self.entries[name].definition
+        return {"name": name, "description": definition["description"], "effect": definition["effect"],
+                "version": definition["version"], "digest": self.entries[name].digest}
+
+
+_CATALOG_SPECS = {
+    "search_tools": ToolSpec(1, True, True, description=(
+        "Search the tool catalog for tools you may use: each tool whose keywords the query's words match, as a "
+        "summary (name, description, effect, version, digest); load one to call it."),
+        parameters=_closed(query={"type": "string", "minLength": 1, "maxLength": 200})),
+    "load_tools": ToolSpec(1, True, True, description=(
+        "Load tools by name: their whole definitions, all or none, within a byte budget. A tool loaded may be called "
+        "from the next round on."),
+        parameters=_closed(names={"type": "array", "minItems": 1, "maxItems": 10,
+                                  "items": {"type": "string", "minLength": 1, "maxLength": 64}})),
+}
+
+
+def _loaded(history):
+    """{name: definition} of each tool this history loaded (its last load), from its successful load_tools calls."""
+    loaded = {}
+    for record in history if type(history) is list else ():
+        for obs in record.get("observations", ()) if type(record) is dict else ():
+            data = obs.get("data") if type(obs) is dict and obs.get("ok") is True else None
+            if obs.get("name") == "load_tools" and type(data) is dict and type(data.get("tools")) is list:
+                for definition in data["tools"]:
+                    if _has_keys(definition, {"name", "description", "parameters", "effect", "version", "digest"}):
+                        loaded[definition["name"]] = definition
+    return loaded
+
+
+# What the gate says of a loaded tool that may not run now, as (status, reason): a hidden one is no tool at all.
+_GATE = {"unknown_tool": ("unknown_tool", "no tool of that name"),
+         "denied": ("denied", "the grant for the tool is gone"),
+         "stale_definition": ("stale_definition", "the tool's definition changed since it was loaded: load it again")}
+
+
+class _CatalogRun(Part):
+    """PART 13, as the core reads it: run_agent(..., catalog=catalog, grants=grants).
+
+    grants is a set of permissions, or a plain function of no arguments that returns one, read again before each
+    batch (one that raises or returns anything else grants nothing). The run has, beside its registry, the catalog's
+    two tools, search_tools ({"query"}) and load_tools ({"names"}): read-only, parallel-safe, cost 1, run by the
+    catalog under the grants of their batch. A load's observation holds the definitions it loaded; a refused load is
+    a failed observation, retryable, with the load's error code and a reason. From the round after a load, a loaded
+    tool may be called, and runs through the run's tools object like any tool; preflight checks each of its calls
+    again at the gate: not loaded in this run (absent or hidden alike) unknown_tool, its grant gone denied, its
+    definition changed since it was loaded stale_definition (with on_refused="observe", all three are observations,
+    and the model may load again). What a run loaded is in its history: a named run resumes with it, and a definition
+    changed meanwhile is stale_definition at its next call. A name both in the registry and the catalog is a
+    ValueError before the model is asked."""
+
+    statuses = ("denied", "stale_definition")
+    errors = ("definition_budget_exceeded",)
+    observable = ("denied", "stale_definition")  # refusals an observed batch may hold (PART 7)
+    options = ("catalog", "grants")
+
+    @classmethod
+    async def join(cls, run, given):
+        catalog, grants = given["catalog"], given["grants"]
+        if catalog is None and grants is None:
+            return None
+        if not isinstance(catalog, Catalog):
+            raise ValueError("catalog must be a Catalog, given with its grants")
+        if not _plain_function(grants):
+            _grants(grants)
+        clash = [name for name in run.registry if name in catalog.entries or name in CATALOG_TOOLS]
+        if clash:
+            raise ValueError(f"{clash[0]}: a name of the registry's and of the catalog's alike")
+        part = cls()
+        part.catalog, part.grants, part.base, part.loaded = catalog, grants, dict(run.registry), {}
+        part.now = part._granted()
+        run.registry.update(_CATALOG_SPECS)
+        return part
+
+    def _granted(self):
+        """The grants as they stand: the set given, or what the function returns now (nothing, if it fails)."""
+        said = _plain_call(self.grants) if callable(self.grants) else self.grants
+        return frozenset(said) if type(said) in (set, frozenset) and all(type(g) is str for g in said) else frozenset()
+
+    async def resume(self, run, ended):
+        run.tools = _innermost(run.tools, partial(_CatalogTools, self))  # its two tools are the catalog's
+        return ended
+
+    async def tools(self, run, registry, history):
+        """The registry, and each tool this history loaded that the catalog still has, as its entry now stands."""
+        return {**registry, **{name: self.catalog.entries[name].spec for name in _loaded(history)
+                               if name in self.catalog.entries and name not in registry}}
+
+    async def offer(self, run, value):
+        """The grants read again; the tools this run loaded, and the gate that checks each call of one."""
+        self.now, self.loaded = self._granted(), _loaded(run.history)
+        run.registry = await self.tools(run, {**self.base, **_CATALOG_SPECS}, run.history)
+        run.authorize = self.authorize
+        return value
+
+    def authorize(self, name):
+        """(status, reason) for a loaded tool that may not run now; None for any other tool, and one that may."""
+        if name not in self.loaded:
+            return None
+        said = self.catalog.authorize(name, self.loaded[name]["digest"], self.now)
+        return None if said is None else _GATE[said]
+
+    async def after_call(self, run, obs, item):
+        """A load the catalog refused is a failed observation, retryable, with its error code and a reason."""
+        data = obs.get("data") if obs["ok"] and item["name"] == "load_tools" else None
+        if type(data) is dict and "error" in data:
+            return _failure(item, data["error"], True, reason=_refusal_reason(data))
+        return obs
+
+
+def _refusal_reason(refused):
+    """A load's refusal, said for the model."""
+    if refused["error"] == "definition_budget_exceeded":
+        return f"the definitions are {refused['bytes']} bytes, past the budget of {refused['budget']}: load fewer"
+    if refused["error"] == "stale_definition":
+        return f"{refused['name']} is at version {refused['version']} now: search again"
+    return "no tool of that name"  # a hidden name and an absent one alike
+
+
+def _innermost(tools, wrap):
+    """wrap(tools); or, for a wrapper that keeps the tools it wraps as its `inner` (a Timeline's does), a copy of it
+    around _innermost(inner, wrap): each wrapper still sees every call, the catalog's too."""
+    if "inner" in getattr(tools, "__dict__", {}):
+        outer = copy.copy(tools)
+        outer.inner = _innermost(tools.inner, wrap)
+        return outer
+    return wrap(tools)
+
+
+class _CatalogTools:
+    """The run's tools object, with the catalog's two tools, which the catalog answers under the batch's grants."""
+
+    def __init__(self, part, tools):
+        self.part, self.tools = part, tools
+
+    async def invoke(self, call):
+        """The catalog's answer to search_tools or load_tools; any other call, the run's own tools'."""
+        catalog, grants, args = self.part.catalog, self.part.now, call["arguments"]
+        if call["name"] == "search_tools":
+            return {"candidates": catalog.search(args["query"], grants)}
+        if call["name"] == "load_tools":
+            return catalog.load(args["names"], grants, catalog.budget_bytes)
+        return await self.tools.invoke(call)
+
+    def __getattr__(self, name):  # reconcile and the rest: the run's own tools' (never while it is made, or copied)
+        if name.startswith("__") or "tools" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.tools, name)
+
+
+_ORDER_ID = _closed(order_id={"type": "string", "pattern": "^[A-Z][0-9]{0,8}$"})
+
+
+# The large tool set chapter's fixture: an order assistant grown to three hundred tools.
+
+def order_catalog():
+    """The chapter's fixture: (catalog, grants, functions): 300 entries (orders_get, shipments_get, refunds_create,
+    a write, reports_export, and 296 archives), an identity with every grant but refunds:write, and the functions
+    of the two reads the chapter calls."""
+    catalog = Catalog()
+    catalog.add("orders_get", ToolSpec(1, True, True, parameters=_ORDER_ID, description=(
+        "Get one order: its status, whether it is paid, and its total in cents.")),
+        keywords=("订单", "查询", "状态", "支付", "order", "status"), permission="orders:read")
+    catalog.add("shipments_get", ToolSpec(1, True, True, parameters=_ORDER_ID, description=(
+        "Get the shipment of one order: its carrier and delivery status.")),
+        keywords=("物流", "发货", "状态", "shipment"), permission="shipments:read")
+    catalog.add("refunds_create", ToolSpec(3, False, False, parameters=_ORDER_ID, description=(
+        "Refund one order in full (a write).")), keywords=("退款", "订单", "refund"), permission="refunds:write")
+    catalog.add("reports_export", ToolSpec(2, True, True, parameters=_closed(month={"type": "string", "pattern": (
+        "^[0-9]{4}-[0-9]{2}$")}), description="Export one month's sales report."),
+        keywords=("报表", "导出", "report"), permission="reports:read")
+    for n in range(1, 297):
+        catalog.add(f"archive_{n:03}_get", ToolSpec(1, True, True, parameters=_ORDER_ID, description=(
+            f"Read one record of archive {n:03}, cold storage of closed orders.")),
+            keywords=("归档", f"archive{n:03}"), permission="archive:read")
+
+    def orders_get(order_id):
+        return {"order_id": order_id, "status": "paid", "paid": True, "total_cents": 6000}
+
+    def shipments_get(order_id):
+        return {"order_id": order_id, "carrier": "post", "status": "delivered"}
+
+    grants = {"orders:read", "shipments:read", "reports:read", "archive:read"}
+    return catalog, grants, {"orders_get": orders_get, "shipments_get": shipments_get}
+
+
+def _catalog_model(before_the_call=lambda: None):
+    """Search for the order's status, load the candidates, ask orders_get about order A (again, if a call of it
+    failed), answer with whether it is paid; before_the_call runs as the model asks for the call (a grant revoked, a
+    version raised)."""
+    async def model(history):
+        if not history:
+            return {"kind": "calls", "calls": [call("r1-search", "search_tools", query="查询 订单 状态")]}
+        if len(history) == 1:
+            names = [found["name"] for found in history[0]["observations"][0]["data"]["candidates"]]
+            return {"kind": "calls", "calls": [call("r2-load", "load_tools", names=names)]}
+        said = [obs["data"] for record in history for obs in record["observations"]
+                if obs["name"] == "orders_get" and obs["ok"]]
+        if not said:
+            before_the_call()
+            return {"kind": "calls", "calls": [call(f"r{len(history) + 1}-order", "orders_get", order_id="A")]}
+        return {"kind": "final", "answer": {"order_id": "A", "paid": said[-1]["paid"]}}
+
+    return model
+
+
+def _raised_version(catalog, granted=None):
+    """orders_get, the same, at the next version: the definition a run loaded is stale from now on."""
+    entry = catalog.entries["orders_get"]
+    catalog.add("orders_get", entry.spec, entry.keywords, entry.permission, entry.definition["version"] + 1)
+
+
+def _catalog_accepted(answer, history):
+    """The answer is what orders_get said of order A."""
+    said = [obs["data"] for record in history for obs in record["observations"] if obs["ok"] and obs["name"] ==
+            "orders_get" and obs["arguments"] == {"order_id": "A"}]
+    return bool(said) and answer == {"order_id": "A", "paid": said[-1]["paid"]}
 
 
 # ======================================================================================================================
@@ -3322,6 +3721,33 @@ async def _unsure(on_event=None, timeline=None):
         return await _order_run(store, fixtures, on_event, timeline, approve=lambda write: "approve"), fixtures
 
 
+class _Lookups(Fixtures):
+    """Fixtures that answer with plain functions (the catalog's reads): each call recorded, as Fixtures records it."""
+
+    def __init__(self, functions):
+        super().__init__(delays={})
+        self.functions = functions
+
+    async def invoke(self, call):
+        self.started.append(call["call_id"])
+        self.active += 1
+        try:
+            await asyncio.sleep(0)
+            return self.functions[call["name"]](**call["arguments"])
+        finally:
+            self.active -= 1
+            self.finished.append(call["call_id"])
+
+
+async def _loaded_then(change, on_event=None, timeline=None):
+    """The chapter's catalog run: orders_get found and loaded, then change(catalog, granted) before its call."""
+    catalog, grants, functions = order_catalog()
+    granted, fixtures = set(grants), _Lookups(functions)
+    model, tools, watcher = _recorded(timeline, _catalog_model(lambda: change(catalog, granted)), fixtures, on_event)
+    return await run_agent(model, registry={}, fixtures=tools, accept=_catalog_accepted, catalog=catalog,
+                           grants=lambda: granted, on_event=watcher), fixtures
+
+
 # (name, what happened, how to run it). Each run uses the module's own Fixtures, fake_model and
 # Limits; the keys: model, limits (fields of Limits), failures, inject, registry (fields of
 # ToolSpec per tool), cancel_after (set the cancel event once that many tools have started).
@@ -3357,7 +3783,7 @@ ATLAS = (
     ("repeat_limit", "north failed temporarily twice; a third identical read was refused",
      {"failures": {"north": ["temporary", "temporary"]}}),
     ("tool_exception", "north had an internal fault; its message is not kept", {"failures": {"north": ["bug"]}}),
-    # The later parts' statuses, and a run that resumed (PART 10 and 11).
+    # The later parts' statuses, and a run that resumed (PART 10, 11 and 13).
     ("superseded", "another process resumed the run while its reads ran: its next save was refused, nothing more "
                    "started", {"run": _taken_over, "drawn": False}),
     ("store_failed", "the store's disk was full as the first batch was admitted: no tool started",
@@ -3370,6 +3796,10 @@ ATLAS = (
      {"run": _decided_too_late, "drawn": False}),
     ("unknown_outcome", "the order timed out after it applied and reconcile could not tell: the run paused",
      {"run": _unsure}),
+    ("denied", "orders_get was found and loaded, then its grant revoked: its call was refused at the gate",
+     {"run": partial(_loaded_then, lambda catalog, granted: granted.discard("orders:read"))}),
+    ("stale_definition", "orders_get was found and loaded, then raised to version 2: its call was refused",
+     {"run": partial(_loaded_then, _raised_version)}),
 )
 
 
@@ -3871,7 +4301,7 @@ class Timeline:
         self.registry = dict(registry or {})  # its registry, if known: a tool's own limit (ToolSpec.seconds) is marked so
         self.decisions = []   # (asked, answered) of each decision, in order: one per round
         self.calls = {}       # call_id -> [(started, ended)] of each attempt (see ToolSpec.retries)
-        self.cut = set()      # call ids, and ("model", round), that the runtime's wait ended, not they themselves
+        self.cut = set()      # (call_id, attempt) and ("model", round) that the runtime's wait ended, not they themselves
         self.events = []      # (time, trace event)
 
     @staticmethod
@@ -3965,30 +4395,40 @@ class Timeline:
                 if ends else 0.0)
         earliest = {}
         for number, lanes in rounds.items():
-            for name, tool, began, ended, outcome, tried in lanes:
-                began, limit = tried[-1][0] if tried else began, None  # the last attempt: the one the outcome is of
-                if outcome in ("tool_timeout", "model_timeout") and ended is not None:
-                    cut = (("model", number) if tool == "decision" else name) in self.cut
-                    which = "model_seconds" if tool == "decision" else "tool_seconds"
-                    own = getattr(self.limits, which, None)
-                    if getattr(self.registry.get(tool), "seconds", None) is not None:
-                        which, own = "seconds", self.registry[tool].seconds
-                    # Uncut, it raised TimeoutError itself, or it held the loop past its limit (then it acted).
-                    if cut or own is not None and ended - began >= own:
-                        at_the_end = stopped - ended <= max(0.002, span / 50)
-                        short = own is not None and ended - began < own * 0.95  # the time left was shorter
-                        if status == "deadline" and (at_the_end or short):
-                            limit = "deadline"
-                        else:
-                            limit = which
-                elif outcome == "cancelled" and ended is not None:
-                    limit = "cancel"
-                if limit:
-                    earliest[limit, number] = min(ended, earliest.get((limit, number), ended))
+            for name, tool, _, _, last, tried in lanes:
+                for attempt, ((began, ended), outcome) in enumerate(zip(tried, self.outcomes(name, tried, last)), 1):
+                    limit = ended is not None and self._limit(
+                        ("model", number) if tool == "decision" else (name, attempt), tool, began, ended, outcome,
+                        status, stopped - ended <= max(0.002, span / 50))
+                    if limit:
+                        earliest[limit, number] = min(ended, earliest.get((limit, number), ended))
         limit = {"deadline": "deadline", "cancelled": "cancel"}.get(status)
         if limit and rounds and stopped is not None and not any(mark == limit for mark, _ in earliest):
             earliest[limit, max(rounds)] = stopped  # it acted between calls: where the run stopped
         return [(limit, when, number) for (limit, number), when in earliest.items()]
+
+    def _limit(self, which_cut, tool, began, ended, outcome, status, at_the_end):
+        """The limit that ended one attempt (or decision), if one did: its own time limit, the deadline, the cancel."""
+        if outcome == "cancelled":
+            return "cancel"
+        if outcome not in ("tool_timeout", "model_timeout"):
+            return None
+        which = "model_seconds" if tool == "decision" else "tool_seconds"
+        own = getattr(self.limits, which, None)
+        if getattr(self.registry.get(tool), "seconds", None) is not None:
+            which, own = "seconds", self.registry[tool].seconds
+        # Uncut, it raised TimeoutError itself, or it held the loop past its limit (then it acted).
+        if which_cut not in self.cut and (own is None or ended - began < own):
+            return None
+        short = own is not None and ended - began < own * 0.95  # the time left was shorter than its own limit
+        return "deadline" if status == "deadline" and (at_the_end or short) else which
+
+    def outcomes(self, name, tried, last):
+        """How each attempt of a call ended (each retry's event says how the attempt before it did), the last as
+        the call's observation says; a decision's, its one outcome."""
+        failed = [event["after"] for _, event in self.events if event["event"] == "retry" and event["call_id"] == name]
+        failed = failed[:len(tried) - 1]
+        return [None] * (len(tried) - 1 - len(failed)) + failed + [last] if tried else []
 
     def _axis(self, rounds, marks):
         """(start, span) in seconds of everything recorded."""
@@ -4085,12 +4525,17 @@ class _TimedTools:
         if check is not None:
             check(self.inner, registry)
 
+    def __getattr__(self, name):  # reconcile and the rest: the tools' it wraps (never while it is made, or copied)
+        if name.startswith("__") or "inner" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
     async def invoke(self, call):
         cid, started = call["call_id"], self.timeline._now()  # the id first: the tool may edit its own copy
         try:
             return await self.inner.invoke(call)
         except asyncio.CancelledError:
-            self.timeline.cut.add(cid)  # the runtime's wait ended it: a time limit or the cancel acted
+            self.timeline.cut.add((cid, len(self.timeline.calls.get(cid, ())) + 1))  # the runtime's wait ended it
             raise
         finally:
             self.timeline.calls.setdefault(cid, []).append((started, self.timeline._now()))
@@ -4217,9 +4662,7 @@ def _svg_document(runs):
                 elif len(tried) > 1:  # its backoffs: a thin line from its first attempt to its last
                     body.append(f'<line class="backoff" x1="{x(began):.1f}" y1="{y + row / 2}" x2="{x(ended):.1f}" '
                                 f'y2="{y + row / 2}"/>')
-                failed = [event["after"] for _, event in timeline.events  # why each attempt before the last ended
-                          if event["event"] == "retry" and event["call_id"] == name]
-                for (began, ended), said in zip(tried, [*failed[:len(tried) - 1], outcome]):  # a bar per attempt
+                for (began, ended), said in zip(tried, timeline.outcomes(name, tried, outcome)):  # a bar per attempt
                     left, length = x(began), 2.0 if ended is None else max(x(ended) - x(began), 2.0)
                     shade = colour if said == outcome else _COLOURS.get(said, _FAILED)
                     body.append(f'<rect class="{kind}" x="{left:.1f}" y="{y + 4}" width="{length:.1f}" '
@@ -4367,6 +4810,79 @@ class _Executor(Part):
 
     commands = {"executor": ("the chapter's five tools: own time limits, retries, a cap on calls in flight",
                              _drawing_options(lambda parser: None), _executor_command)}
+
+
+# PART 18: the large tool set chapter's numbers: 300 entries, found, loaded on demand, and the gate's five boundaries
+
+async def _catalog_run(catalog, grants, functions, before_the_call=lambda: None):
+    """A run of the chapter's catalog, and the arguments of each time orders_get started."""
+    started = []
+
+    def orders_get(**arguments):
+        started.append(arguments)
+        return functions["orders_get"](**arguments)
+
+    result = await run_agent(_catalog_model(before_the_call), registry={}, accept=_catalog_accepted, catalog=catalog,
+                             grants=grants, fixtures=FunctionTools({**functions, "orders_get": orders_get}))
+    return result, started
+
+
+def _sent(value):
+    return len(_utf8_json(value))
+
+
+async def catalog_numbers():
+    """Print the chapter's numbers: what is registered, discoverable and loaded; the bytes each bridge sends for
+    them beside the full path; then the five boundaries, each its own outcome."""
+    catalog, grants, functions = order_catalog()
+    discoverable = [name for name, entry in catalog.entries.items() if entry.permission in grants]
+    result, _ = await _catalog_run(catalog, grants, functions)
+    search, load = (record["observations"][0] for record in result["history"][:2])
+    print(f"registered {len(catalog.entries)}, discoverable {len(discoverable)} (every grant but refunds:write), "
+          f"loaded {len(load['data']['tools'])} for the query \"{search['arguments']['query']}\": "
+          + ", ".join(f"{found['name']}" for found in search["data"]["candidates"]))
+    print(f"the run: {result['status']}, order A paid: {str(result['answer']['paid']).lower()}, used {result['used']}")
+    full = {name: catalog.entries[name].spec for name in discoverable}
+    loaded = {name: catalog.entries[name].spec for name in _loaded(result["history"])}
+    bridges = (("Responses", responses_tools, responses_input), ("Chat", chat_tools, chat_messages),
+               ("Messages", messages_tools, messages_input))
+    rows = (("resident: the catalog's two tools, every request", lambda tools, replay: _sent(tools(_CATALOG_SPECS))),
+            ("the search, replayed: its call and the summaries", lambda tools, replay: _sent(replay(
+                result["history"][:1]))),
+            ("the load, replayed: its call and the definitions", lambda tools, replay: _sent(replay(
+                result["history"][1:2]))),
+            ("the loaded two, every request after the load", lambda tools, replay: _sent(tools(loaded))))
+    figures = [[measure(tools, replay) for _, tools, replay in bridges] for _, measure in rows]
+    print(f"\nbytes, as each bridge sends them (UTF-8 JSON){'':<14}{'Responses':>10}{'Chat':>10}{'Messages':>10}")
+    for (title, _), row in zip(rows, figures):
+        print(f"  {title:<58}" + "".join(f"{figure:>10,}" for figure in row))
+    print(f"  {'on demand, in all':<58}" + "".join(f"{sum(column):>10,}" for column in zip(*figures)))
+    print(f"  {f'the full path: all {len(full)} discoverable, every request':<58}"
+          + "".join(f"{_sent(tools(full)):>10,}" for _, tools, _ in bridges))
+    print("\nthe boundaries, each its own outcome:")
+    print(f"  no match        search \"火星 着陆\": {catalog.search('火星 着陆', grants)}")
+    tie = catalog.search("状态", grants)
+    print(f"  a tie           search \"状态\": {', '.join(found['name'] for found in tie)}, one hit each: both "
+          f"returned, by name")
+    size = load["data"]["bytes"]
+    over = catalog.load(["orders_get", "shipments_get"], grants, size - 1)
+    fits = catalog.load(["orders_get", "shipments_get"], grants, size)
+    print(f"  over budget     load both within {size} bytes: {len(fits['tools'])} loaded; within {size - 1}: "
+          f"{over['error']}, none loaded")
+    granted = set(grants)
+    revoked, started = await _catalog_run(catalog, lambda: granted, functions, lambda: granted.discard("orders:read"))
+    print(f"  grant revoked   orders:read revoked after the load: the run ends {revoked['status']}, orders_get "
+          f"started {len(started)} times")
+    raised, started = await _catalog_run(catalog, grants, functions, lambda: _raised_version(catalog, grants))
+    print(f"  version raised  orders_get at version 2 after the load: the run ends {raised['status']}, orders_get "
+          f"started {len(started)} times")
+
+
+class _CatalogNumbers(Part):
+    """The large tool set chapter's numbers, as the core reads them: their command."""
+
+    commands = {"catalog": ("300 tools: what is found, loaded and sent, beside the full path; the gate's boundaries",
+                            lambda parser: None, lambda *_: catalog_numbers())}
 
 
 if __name__ == "__main__":

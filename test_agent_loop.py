@@ -15,6 +15,7 @@ import decimal
 import functools
 import gc
 import glob
+import hashlib
 import http.server
 import importlib
 import importlib.util
@@ -2964,9 +2965,9 @@ def cut_module(folder, end=CORE_END):
     shutil.copytree(os.path.join(HERE, "schema_suite"), os.path.join(folder, "schema_suite"))
 
 
-# The classes of the runtime's later parts (PART 6-12), that the module cut at the banner runs as the whole does.
+# The classes of the runtime's later parts (PART 6-13), that the module cut at the banner runs as the whole does.
 RUNTIME_TESTS = ("FunctionToolsTests", "ObservedRefusalTests", "ProviderBridgeTests", "McpTests", "SavedRunTests",
-                 "WriteTests", "LeaseTests", "SqliteLeaseTests", "AttemptTests")
+                 "WriteTests", "LeaseTests", "SqliteLeaseTests", "AttemptTests", "CatalogTests")
 ALONE = {}  # the runs of a cut file's tests, by name: started when the whole suite loads, as they are slow
 
 
@@ -3049,7 +3050,7 @@ class LaterPartsTests(unittest.TestCase):
         self.assertEqual((every[:len(STATUSES)], len(set(every))), (STOP_STATUSES, len(every)))
         self.assertIn("superseded", every[len(STATUSES):])
         self.assertEqual(list(agent_loop.COMMANDS), ["demo"])
-        self.assertEqual(list(agent_loop.every_command()), ["demo", "scenarios", "bench", "executor"])
+        self.assertEqual(list(agent_loop.every_command()), ["demo", "scenarios", "bench", "executor", "catalog"])
         self.assertIs(agent_loop.every_command()["demo"][2], agent_loop._drawn_demo)  # the timeline's draws its runs
 
 
@@ -6800,6 +6801,92 @@ class AttemptTests(RuntimeTestCase):
                                  limits=dataclasses.replace(ROOMY, rounds=3, attempts=2))
         self.assertEqual((result["status"], result["used"]["calls"]), ("repeat_limit", 3))  # a's 2, b's 1
 
+    async def test_a_retry_never_takes_what_a_call_in_flight_is_about_to_be_charged(self):
+        # a fails at once; its retry's event waits on a slow watcher while b is being started, then fails, and both
+        # would retry: three calls allowed, so only one retry fits beside a's and b's first attempts.
+        starts = []
+
+        async def read(n):
+            starts.append(n)
+            await asyncio.sleep(0 if n == 1 else 0.02)
+            if starts.count(n) == 1:
+                raise TemporaryError("busy")
+            return {"n": n}
+
+        async def slow(event):
+            if event["event"] == "retry":
+                await asyncio.sleep(0.05)
+
+        registry = {"read": ToolSpec(1, True, True, parameters=self.READ, retries=1, backoff=(0.001, 0.001))}
+        result = await run_agent(scripted(calls(call("a", "read", n=1), call("b", "read", n=2))), registry=registry,
+                                 fixtures=PlainTools({"read": read}), accept=never_accept, on_event=slow,
+                                 limits=dataclasses.replace(ROOMY, rounds=1, calls=3, tool_seconds=5))
+        self.assertEqual((result["used"]["calls"], len(starts)), (3, 3))
+        self.assertEqual([obs.get("attempts", 1) for obs in observations(result)], [2, 1])
+
+    async def test_a_thousand_retries_and_more_end_with_a_status(self):
+        async def read(n):
+            raise TemporaryError("busy")
+
+        with unittest.mock.patch.object(agent_loop.random, "uniform", lambda low, high: 0.0):  # no wait: the cap
+            result = await self.run_one(read, dataclasses.replace(ROOMY, calls=1100, credits=2000, total_seconds=60),
+                                        retries=1100, backoff=(0.001, 0.001))
+        self.assertEqual((result["status"], observations(result)[0]["attempts"]), ("round_limit", 1100))
+
+    async def test_a_tool_that_breaks_the_runs_cancel_wait_during_a_backoff_is_at_fault(self):
+        def cancel_the_wait():
+            for task in asyncio.all_tasks():
+                if task.get_coro().__qualname__ == "Event.wait":
+                    task.cancel()
+
+        async def read(n):
+            asyncio.get_running_loop().call_later(0.002, cancel_the_wait)  # while the call waits out its backoff
+            raise TemporaryError("busy")
+
+        for batch in ([call("a", "read", n=1)], [call("a", "read", n=1), call("b", "read", n=2)]):
+            with self.subTest(calls=len(batch)):
+                registry = {"read": ToolSpec(1, True, True, parameters=self.READ, retries=1, backoff=(0.05, 0.05))}
+                with unittest.mock.patch.object(agent_loop.random, "uniform", lambda low, high: high):
+                    result = await run_agent(scripted(calls(*batch)), registry=registry, accept=never_accept,
+                                             fixtures=PlainTools({"read": read}), limits=ROOMY)
+                self.assertEqual((result["status"], result["trace"][-1]["error_type"]),
+                                 ("tool_exception", "cancel event"))
+                self.assertNoTaskLeft()
+
+    async def test_a_retry_a_stop_overtook_before_it_started_is_no_attempt(self):
+        read, started = self.flaky(5)
+        cancel = asyncio.Event()
+
+        def watcher(event):
+            if event["event"] == "retry":
+                cancel.set()  # between the retry's decision and its start
+
+        registry = {"read": ToolSpec(1, True, True, parameters=self.READ, retries=5, backoff=(0.001, 0.001))}
+        result = await run_agent(scripted(calls(call("a", "read", n=1))), registry=registry, cancel=cancel,
+                                 fixtures=PlainTools({"read": read}), accept=never_accept, on_event=watcher, limits=ROOMY)
+        (obs,) = observations(result)
+        self.assertEqual((result["status"], obs["error"], "attempts" in obs, result["used"]["calls"], len(started)),
+                         ("cancelled", "temporary", False, 1, 1))
+
+    async def test_a_bad_retries_or_backoff_is_refused_before_a_named_run_is_claimed(self):
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "runs.db")
+            with agent_loop.SqliteStore(path) as first, agent_loop.SqliteStore(path) as second:
+                asked = asyncio.Event()
+
+                async def model(history):
+                    asked.set()
+                    await asyncio.sleep(0.2)
+                    return await fake_model(history)
+
+                live = asyncio.create_task(run_agent(model, store=first, run_id="job", limits=ROOMY))
+                await asked.wait()
+                for spec in (dict(backoff=(2, 1)), dict(retries=3, read_only=False)):
+                    registry = {**TOOLS, "read_partition": dataclasses.replace(TOOLS["read_partition"], **spec)}
+                    with self.subTest(spec=spec), self.assertRaises(ValueError):
+                        await run_agent(store=second, run_id="job", registry=registry, limits=ROOMY)
+                self.assertEqual((await live)["status"], "completed")  # not superseded: nobody claimed it meanwhile
+
     async def test_what_a_tool_declares_of_its_attempts_must_be_what_they_can_be(self):
         cases = [(dict(seconds=0), "read: seconds must be a finite number > 0, or None"),
                  (dict(seconds=math.inf), "read: seconds must be a finite number > 0, or None"),
@@ -6814,6 +6901,301 @@ class AttemptTests(RuntimeTestCase):
                 registry = {"read": dataclasses.replace(ToolSpec(1, True, True, parameters=self.READ), **spec)}
                 await self.assertRefusedBeforeTheModelIsAsked(message, registry=registry, accept=never_accept,
                                                               fixtures=PlainTools({"read": dict}))
+
+
+# PART 13: three hundred tools: a catalog that finds what an identity may use, loads definitions whole under a byte
+# budget, and authorizes each call again at the gate
+
+ORDER = {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"],
+         "additionalProperties": False}
+ORDER_GRANTS = {"orders:read", "shipments:read", "reports:read", "archive:read"}  # every grant but refunds:write
+
+
+def utf8_json(value):
+    """Canonical JSON in UTF-8, written out here: sorted keys, fixed separators, text not escaped."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def small_catalog():
+    catalog = agent_loop.Catalog()
+    catalog.add("orders_get", ToolSpec(1, True, True, parameters=ORDER, description="Get one order."),
+                keywords=("订单", "查询", "状态", "Order"), permission="orders:read")
+    catalog.add("shipments_get", ToolSpec(1, True, True, parameters=ORDER, description="Get one shipment."),
+                keywords=("物流", "状态"), permission="shipments:read")
+    catalog.add("refunds_create", ToolSpec(3, False, False, parameters=ORDER, description="Refund one order."),
+                keywords=("退款", "订单", "查询", "状态", "refund"), permission="refunds:write")
+    return catalog
+
+
+class CatalogTests(RuntimeTestCase):
+    """PART 13: a catalog's entries, search, loads and gate; and a run with a catalog, through the gate, the bridges
+    and a crash."""
+
+    def test_an_entry_is_told_as_its_definition_and_its_digest_is_that_of_its_canonical_json(self):
+        catalog = small_catalog()
+        definition = {"name": "orders_get", "description": "Get one order.", "parameters": ORDER, "effect": "read",
+                      "version": 1}
+        digest = hashlib.sha256(utf8_json(definition)).hexdigest()
+        (summary,) = catalog.search("order", {"orders:read"})
+        self.assertEqual(summary, {"name": "orders_get", "description": "Get one order.", "effect": "read",
+                                   "version": 1, "digest": digest})
+        loaded = catalog.load(["orders_get"], {"orders:read"})
+        self.assertEqual(loaded, {"tools": [{**definition, "digest": digest}],
+                                  "bytes": len(utf8_json([{**definition, "digest": digest}]))})
+        self.assertEqual(catalog.load(["refunds_create"], {"refunds:write"})["tools"][0]["effect"], "write")
+
+    def test_a_name_is_added_again_only_with_a_higher_version(self):
+        catalog = small_catalog()
+        spec = catalog.entries["orders_get"].spec
+        for version in (1, 0):
+            with self.subTest(version=version), self.assertRaises(ValueError):
+                catalog.add("orders_get", spec, ("order",), "orders:read", version)
+        (before,) = catalog.search("order", {"orders:read"})
+        catalog.add("orders_get", dataclasses.replace(spec, description="Get one order, paid or not."), ("order",),
+                    "orders:read", 2)
+        (after,) = catalog.search("order", {"orders:read"})
+        self.assertEqual((after["version"], after["description"]), (2, "Get one order, paid or not."))
+        self.assertNotEqual(after["digest"], before["digest"])
+
+    def test_what_an_entry_must_be_is_a_value_error_naming_it(self):
+        catalog, spec = agent_loop.Catalog(), ToolSpec(1, True, True, parameters=ORDER)
+        cases = [(("orders.get", spec), "a catalog name is 1 to 64 letters, digits, _ or -, as every provider takes it"),
+                 (("search_tools", spec), "search_tools: the name of one of the catalog's own tools"),
+                 (("a", ToolSpec(1, True, True, validate=lambda args: True)),
+                  "a: a catalog entry declares its parameters: they are what a model is told"),
+                 (("a", ToolSpec(-1, True, True, parameters=ORDER)), "a: cost must be an int >= 0"),
+                 (("a", spec, "order"), "a: keywords must be a collection of strings"),
+                 (("a", spec, (), ""), "a: permission must be a non-empty string"),
+                 (("a", spec, (), "p", True), "a: version must be an int >= 1")]
+        for args, message in cases:
+            with self.subTest(args=args[0]), self.assertRaises(ValueError) as refused:
+                catalog.add(*args)
+            self.assertEqual(str(refused.exception), message)
+        self.assertEqual(catalog.entries, {})
+
+    def test_search_scores_the_query_words_among_what_the_grants_may_use_the_best_first_ties_by_name(self):
+        catalog = small_catalog()
+        everything = {"orders:read", "shipments:read", "refunds:write"}
+        self.assertEqual([found["name"] for found in catalog.search("查询 订单 状态", everything)],
+                         ["orders_get", "refunds_create", "shipments_get"])  # 3 hits, 3, 1: ties by name
+        self.assertEqual([found["name"] for found in catalog.search("查询  订单\t状态", ORDER_GRANTS)],
+                         ["orders_get", "shipments_get"])  # refunds_create, hidden, is neither scored nor named
+        self.assertEqual([found["name"] for found in catalog.search("状态", ORDER_GRANTS)],
+                         ["orders_get", "shipments_get"])  # a tie of one hit each: both, by name
+        self.assertEqual([found["name"] for found in catalog.search("ORDER", everything)], ["orders_get"])  # folded
+        self.assertEqual([found["name"] for found in catalog.search("状态", everything, limit=1)], ["orders_get"])
+        self.assertEqual(catalog.search("火星 着陆", everything), [])  # no match: nothing, never the nearest
+        self.assertEqual(catalog.search("退款", ORDER_GRANTS), [])
+        for found in catalog.search("状态", everything):
+            self.assertEqual(set(found), {"name", "description", "effect", "version", "digest"})  # never a schema
+
+    def test_a_load_is_whole_or_nothing_within_its_budget_a_byte_over_loads_nothing(self):
+        catalog = small_catalog()
+        whole = catalog.load(["orders_get", "shipments_get"], ORDER_GRANTS, 100_000)
+        size = whole["bytes"]
+        self.assertEqual(size, len(utf8_json(whole["tools"])))
+        self.assertEqual(catalog.load(["orders_get", "shipments_get"], ORDER_GRANTS, size), whole)
+        self.assertEqual(catalog.load(["orders_get", "shipments_get"], ORDER_GRANTS, size - 1),
+                         {"error": "definition_budget_exceeded", "bytes": size, "budget": size - 1})
+
+    def test_a_hidden_name_and_an_absent_one_load_alike_and_an_old_summary_is_stale(self):
+        catalog = small_catalog()
+        hidden, absent = (catalog.load([name], ORDER_GRANTS) for name in ("refunds_create", "refunds_creatf"))
+        self.assertEqual(hidden, {"error": "unknown_tool", "name": "refunds_create"})
+        self.assertEqual(json.dumps(hidden).replace("refunds_create", "X"), json.dumps(absent).replace("refunds_creatf", "X"))
+        (old,) = catalog.search("order", {"orders:read"})
+        self.assertEqual(catalog.load([old], {"orders:read"})["tools"][0]["digest"], old["digest"])
+        catalog.add("orders_get", catalog.entries["orders_get"].spec, ("order",), "orders:read", 2)
+        self.assertEqual(catalog.load([old], {"orders:read"}),
+                         {"error": "stale_definition", "name": "orders_get", "version": 2})
+
+    def test_the_gate_says_none_stale_denied_or_unknown(self):
+        catalog = small_catalog()
+        v1 = catalog.load(["orders_get"], {"orders:read"})["tools"][0]["digest"]
+        self.assertIsNone(catalog.authorize("orders_get", v1, {"orders:read"}))
+        self.assertEqual(catalog.authorize("orders_get", v1, set()), "denied")
+        catalog.add("orders_get", catalog.entries["orders_get"].spec, ("order",), "orders:read", 2)
+        self.assertEqual(catalog.authorize("orders_get", v1, {"orders:read"}), "stale_definition")
+        self.assertEqual(catalog.authorize("orders_get", v1, set()), "denied")
+        self.assertEqual(catalog.authorize("orders_get", "0" * 64, {"orders:read"}), "unknown_tool")  # never given out
+        self.assertEqual(catalog.authorize("orders_got", v1, {"orders:read"}), "unknown_tool")
+
+    async def catalog_run(self, model, catalog=None, grants=ORDER_GRANTS, **options):
+        catalog, _, functions = agent_loop.order_catalog() if catalog is None else (catalog, None, None)
+        started = []
+
+        def orders_get(order_id):
+            started.append(order_id)
+            return {"order_id": order_id, "paid": True}
+
+        options.setdefault("limits", ROOMY)
+        result = await run_agent(model, registry={}, catalog=catalog, grants=grants, accept=options.pop(
+            "accept", any_answer), fixtures=agent_loop.FunctionTools({"orders_get": orders_get}), **options)
+        return result, started
+
+    async def test_a_model_searches_loads_and_calls_a_tool_through_function_tools_and_completes(self):
+        result, started = await self.catalog_run(agent_loop._catalog_model(), accept=agent_loop._catalog_accepted)
+        self.assertEqual((result["status"], result["answer"], result["used"], started),
+                         ("completed", {"order_id": "A", "paid": True}, {"rounds": 4, "calls": 3, "credits": 15}, ["A"]))
+        search, load, order = observations(result)
+        self.assertEqual([found["name"] for found in search["data"]["candidates"]], ["orders_get", "shipments_get"])
+        self.assertEqual([tool["name"] for tool in load["data"]["tools"]], ["orders_get", "shipments_get"])
+        self.assertEqual(order["data"], {"order_id": "A", "paid": True})
+
+    async def test_a_tool_is_callable_from_the_round_after_its_load_never_in_its_batch(self):
+        model = scripted(calls(call("l", "load_tools", names=["orders_get"]), call("o", "orders_get", order_id="A")))
+        result, started = await self.catalog_run(model)
+        self.assertEqual((result["status"], result["trace"][-1]["call_id"], started), ("unknown_tool", "o", []))
+        model = scripted(calls(call("o", "orders_get", order_id="A")))  # found or not, never loaded
+        self.assertEqual((await self.catalog_run(model))[0]["status"], "unknown_tool")
+
+    async def test_a_revoked_grant_ends_the_next_call_denied_and_its_tool_never_starts(self):
+        granted = set(ORDER_GRANTS)
+        model = agent_loop._catalog_model(lambda: granted.discard("orders:read"))
+        result, started = await self.catalog_run(model, grants=lambda: granted)
+        self.assertEqual((result["status"], result["trace"][-1]["reason"], started),
+                         ("denied", "the grant for the tool is gone", []))
+        self.assertEqual(result["used"], {"rounds": 3, "calls": 2, "credits": 11})
+
+    async def test_a_raised_version_ends_the_next_call_stale_definition(self):
+        catalog, _, _ = agent_loop.order_catalog()
+        model = agent_loop._catalog_model(lambda: agent_loop._raised_version(catalog, None))
+        result, started = await self.catalog_run(model, catalog)
+        self.assertEqual((result["status"], result["trace"][-1]["name"], started), ("stale_definition", "orders_get", []))
+
+    async def test_observed_the_gates_refusals_are_observations_and_the_model_may_load_again(self):
+        catalog, _, _ = agent_loop.order_catalog()
+        bumped = []
+
+        async def model(history):
+            number = len(history) + 1
+            if number == 1:
+                return calls(call("c1", "orders_get", order_id="A"))  # not loaded: unknown_tool
+            if number == 2:
+                return calls(call("l2", "load_tools", names=["orders_get"]))
+            if number == 3:
+                agent_loop._raised_version(catalog, None)
+                bumped.append(True)
+                return calls(call("c3", "orders_get", order_id="A"))  # stale_definition
+            if number == 4:
+                return calls(call("l4", "load_tools", names=["orders_get"]))
+            if number == 5:
+                return calls(call("c5", "orders_get", order_id="A"))
+            return final("done")
+
+        result, started = await self.catalog_run(model, catalog, on_refused="observe")
+        self.assertEqual((result["status"], errors(result), started),
+                         ("completed", ["unknown_tool", "stale_definition"], ["A"]))
+        self.assertEqual([event["status"] for event in result["trace"] if event["event"] == "refused"],
+                         ["unknown_tool", "stale_definition"])
+
+    async def test_a_refused_load_is_a_retryable_observation_with_its_code(self):
+        catalog = small_catalog()
+        catalog.budget_bytes = 10
+        model = scripted(calls(call("a", "load_tools", names=["refunds_create"])),
+                         calls(call("b", "load_tools", names=["orders_get"])), final("done"))
+        result, _ = await self.catalog_run(model, catalog)
+        first, second = observations(result)
+        self.assertEqual((first["error"], first["retryable"], first["reason"]),
+                         ("unknown_tool", True, "no tool of that name"))
+        self.assertEqual((second["error"], second["retryable"], "data" in second),
+                         ("definition_budget_exceeded", True, False))
+        self.assertRegex(second["reason"], r"^the definitions are \d+ bytes, past the budget of 10: load fewer$")
+
+    async def test_the_grants_are_read_again_before_each_batch(self):
+        read = []
+
+        def grants():
+            read.append(True)
+            return ORDER_GRANTS
+
+        model = scripted(calls(call("s", "search_tools", query="订单")), calls(call("s2", "search_tools", query="状态")),
+                         final("done"))
+        result, _ = await self.catalog_run(model, grants=grants)
+        self.assertEqual((result["status"], len(read)), ("completed", 4))  # when the run joins, then at each decision
+        failing = await self.catalog_run(scripted(calls(call("s", "search_tools", query="订单")), final("x")),
+                                         grants=lambda: 1 / 0)
+        self.assertEqual(observations(failing[0])[0]["data"], {"candidates": []})  # a grant that fails grants nothing
+
+    async def test_what_a_catalog_run_is_given_is_checked_before_the_model_is_asked(self):
+        catalog = small_catalog()
+        cases = [(dict(catalog=catalog), "grants must be a set of permission names"),
+                 (dict(grants=ORDER_GRANTS), "catalog must be a Catalog, given with its grants"),
+                 (dict(catalog={}, grants=ORDER_GRANTS), "catalog must be a Catalog, given with its grants"),
+                 (dict(catalog=catalog, grants=["orders:read"]), "grants must be a set of permission names"),
+                 (dict(catalog=catalog, grants=ORDER_GRANTS, registry={"orders_get": ToolSpec(1, True, True,
+                                                                                              parameters=ORDER)}),
+                  "orders_get: a name of the registry's and of the catalog's alike")]
+        for options, message in cases:
+            with self.subTest(options=sorted(options)):
+                options = {"registry": {}, "accept": any_answer, "fixtures": PlainTools({}), **options}
+                await self.assertRefusedBeforeTheModelIsAsked(message, **options)
+
+    async def test_a_hidden_tool_never_appears_in_a_search_a_load_an_error_or_a_request_a_bridge_sends(self):
+        catalog, grants, functions = agent_loop.order_catalog()
+        for name, (make_model, options, reply_calls, reply_text) in BRIDGES.items():
+            with self.subTest(bridge=name):
+                create = Recorder(reply_calls(("r1", "search_tools", {"query": "退款 订单 查询 状态 refund"})),
+                                  reply_calls(("r2", "load_tools", {"names": ["refunds_create"]})),
+                                  reply_calls(("r3", "refunds_create", {"order_id": "A"})),
+                                  reply_text("done"))
+                model = make_model(create, "refund order A", {}, catalog=catalog, **options)
+                result = await run_agent(model, registry={}, catalog=catalog, grants=grants, accept=any_answer,
+                                         fixtures=agent_loop.FunctionTools(functions), limits=ROOMY,
+                                         on_refused="observe")
+                self.assertEqual(result["status"], "completed")
+                self.assertEqual([found["name"] for found in observations(result)[0]["data"]["candidates"]],
+                                 ["orders_get", "shipments_get"])  # refunds_create would hit all five words
+                self.assertEqual(errors(result), ["unknown_tool", "unknown_tool"])  # the load, then the call
+                # Nothing the runtime wrote names it: only the model's own calls do, and what echoes them (a call's
+                # name and arguments in history and in the requests' replays).
+                said = [{key: value for key, value in obs.items() if key not in ("call_id", "name", "arguments")}
+                        for obs in observations(result)]
+                said += [{key: value for key, value in event.items() if key != "name"} for event in result["trace"]]
+                said += [request["tools"] for request in create.requests]
+                self.assertNotIn("refunds", json.dumps(said, ensure_ascii=False))
+                self.assertNotIn("Refund one order", json.dumps(create.requests, ensure_ascii=False))
+
+    async def test_the_bridges_offer_the_registry_the_catalog_tools_and_what_the_run_loaded_nothing_else(self):
+        catalog, grants, functions = agent_loop.order_catalog()
+        lookup = {"lookup": ToolSpec(1, True, True, parameters=ORDER, description="Look an order up.")}
+        for name, (make_model, options, reply_calls, reply_text) in BRIDGES.items():
+            with self.subTest(bridge=name):
+                create = Recorder(reply_calls(("r1", "search_tools", {"query": "查询 订单 状态"})),
+                                  reply_calls(("r2", "load_tools", {"names": ["orders_get", "shipments_get"]})),
+                                  reply_calls(("r3", "orders_get", {"order_id": "A"})), reply_text("done"))
+                model = make_model(create, "was order A paid?", lookup, catalog=catalog, **options)
+                result = await run_agent(model, registry=lookup, catalog=catalog, grants=grants, accept=any_answer,
+                                         fixtures=agent_loop.FunctionTools({**functions, "lookup": dict}),
+                                         limits=ROOMY)
+                self.assertEqual(result["status"], "completed")
+                offered = [sorted(tool.get("name") or tool["function"]["name"] for tool in request["tools"])
+                           for request in create.requests]
+                self.assertEqual(offered, [["load_tools", "lookup", "search_tools"]] * 2 + [
+                    ["load_tools", "lookup", "orders_get", "search_tools", "shipments_get"]] * 2)
+                self.assertTrue(all("catalog" not in request for request in create.requests))
+
+    async def test_a_named_run_killed_after_a_load_resumes_with_the_tool_still_loaded(self):
+        for where, change in (("decision", "nothing"), ("decision", "version"), ("call", "nothing")):
+            with self.subTest(where=where, change=change), tempfile.TemporaryDirectory() as folder:
+                path, ready = os.path.join(folder, "runs.db"), os.path.join(folder, "ready")
+                run_in_a_process("catalog_run", path, ready, where, kill_when=ready)
+                catalog, grants, functions = agent_loop.order_catalog()
+                if change == "version":
+                    agent_loop._raised_version(catalog, grants)
+                with agent_loop.SqliteStore(path) as store:
+                    result = await run_agent(agent_loop._catalog_model(), registry={}, catalog=catalog, grants=grants,
+                                             accept=agent_loop._catalog_accepted, store=store, run_id="chat",
+                                             fixtures=agent_loop.FunctionTools(functions), limits=SLOW_ROOMY)
+                events = [event["event"] for event in result["trace"]]
+                self.assertEqual(events[:5], ["decision", "observations", "decision", "observations",
+                                              "decision" if where == "call" else "resumed"])
+                self.assertEqual(result["status"], "completed" if change == "nothing" else "stale_definition")
+                if where == "decision":  # the cut decision stays paid
+                    self.assertEqual(result["used"]["rounds"], 5 if change == "nothing" else 4)
+                else:  # the cut call is charged, interrupted; the model asks again, and the loaded tool runs
+                    self.assertEqual((errors(result), result["used"]), (["interrupted"],
+                                                                        {"rounds": 5, "calls": 4, "credits": 19}))
 
 
 class StandaloneRuntimeTests(unittest.TestCase):
@@ -6999,6 +7381,17 @@ class AtlasTests(RuntimeTestCase):
                 self.assertEqual((result["status"], result["used"], errors(result)), (status, used, errors_seen))
                 self.assertEqual(fixtures.active, 0)
 
+    async def test_the_atlas_shows_a_catalog_tool_refused_at_the_gate_and_never_started(self):
+        for name in ("denied", "stale_definition"):
+            with self.subTest(name=name):
+                result, fixtures = await agent_loop.run_scenario(name)
+                self.assertEqual((result["status"], result["used"], fixtures.started),
+                                 (name, {"rounds": 3, "calls": 2, "credits": 11}, []))
+                self.assertEqual((result["trace"][-1]["call_id"], result["trace"][-1]["name"]), ("r3-order", "orders_get"))
+
+    def test_every_status_of_the_module_has_a_scenario(self):
+        self.assertLessEqual(set(agent_loop.every_status()), {name for name, _, _ in agent_loop.ATLAS})
+
     async def test_the_atlas_shows_a_write_asked_about_decided_too_late_and_unknown(self):
         expected = {"awaiting_approval": (3, 3, 17), "approval_expired": (3, 3, 17), "unknown_outcome": (3, 4, 20)}
         for name, used in expected.items():
@@ -7026,7 +7419,7 @@ class BenchTests(unittest.TestCase):
 
     def test_help_lists_the_commands_of_the_whole_module(self):
         done = run_command("--help")
-        self.assertEqual((done.returncode, list(agent_loop.every_command())), (0, ["demo", "scenarios", "bench", "executor"]))
+        self.assertEqual((done.returncode, list(agent_loop.every_command())), (0, ["demo", "scenarios", "bench", "executor", "catalog"]))
         for command in agent_loop.every_command():
             self.assertIn(f"    {command} ", done.stdout)
 
@@ -7264,6 +7657,30 @@ class TimelineTests(RuntimeTestCase):
         self.assertEqual(len([line for line in svg.iter("{http://www.w3.org/2000/svg}line")
                               if line.get("class") == "backoff"]), 1)
 
+    async def test_a_limit_is_marked_where_it_cut_an_attempt_not_where_the_call_ended(self):
+        # Each attempt: cut by the tool's own limit ("cut"), or it failed by itself ("timeout": its own TimeoutError,
+        # "temporary"). The mark goes where the cut one ended, whichever attempt it was.
+        for first, second, marked in (("cut", "temporary", 0), ("timeout", "cut", 1)):
+            with self.subTest(first=first, second=second):
+                tried = []
+
+                async def read(sku):
+                    tried.append(sku)
+                    how = first if len(tried) == 1 else second
+                    await asyncio.sleep(30 if how == "cut" else 0.01)
+                    raise TimeoutError if how == "timeout" else TemporaryError
+
+                registry = {"read": ToolSpec(1, True, True, parameters=READ, retries=1, seconds=0.05,
+                                             backoff=(0.05, 0.05))}
+                limits, timeline = dataclasses.replace(ROOMY, rounds=1), agent_loop.Timeline(registry=registry)
+                with unittest.mock.patch.object(agent_loop.random, "uniform", lambda low, high: high):
+                    result = await run_agent(timeline.model(scripted(calls(call("a", "read", sku="A")))),
+                                             registry=registry, fixtures=timeline.tools(PlainTools({"read": read})),
+                                             on_event=timeline.event, accept=never_accept, limits=limits)
+                _, marks, _ = timeline.lanes(result)
+                self.assertEqual([(limit, when) for limit, when, _ in marks],
+                                 [("seconds", timeline.calls["a"][marked][1])])
+
     async def test_the_readmes_drawings_are_those_of_the_runs_they_name(self):
         drawings = [block for block in re.findall(r"```\n(.*?)```", readme_section("See a run on a time axis"), re.S)
                     if "round 1" in block]
@@ -7495,7 +7912,7 @@ class TimelineRecorderTests(RuntimeTestCase):
         timeline = agent_loop.Timeline()
         result = await self.drawn(timeline, Fixtures(delays={"north": 30, "south": 0}),
                                   limits=Limits(rounds=1, tool_seconds=0.1, model_seconds=5, total_seconds=30))
-        self.assertEqual((errors(result), timeline.cut), (["tool_timeout"], {"r1-north"}))
+        self.assertEqual((errors(result), timeline.cut), (["tool_timeout"], {("r1-north", 1)}))
         self.assertIn("^ tool_seconds", timeline.text(result))
 
     async def test_a_call_the_deadline_cut_is_marked_deadline_even_when_the_run_stopped_later(self):
@@ -7630,6 +8047,44 @@ class ExecutorTests(RuntimeTestCase):
         numbers = functools.partial(re.sub, r" *\d+", " N")  # its times, as wide as they come
         self.assertEqual((done.returncode, numbers(shown)), (0, numbers(done.stdout)))
 
+
+
+# PART 18: the large tool set chapter's numbers
+
+class CatalogNumbersTests(unittest.TestCase):
+    """PART 18: the chapter's 300 entries, what is found, loaded and sent, and the five boundaries, one command."""
+
+    def test_the_command_prints_the_chapters_numbers_and_the_readme_shows_them(self):
+        done = run_command("catalog")
+        self.assertEqual((done.returncode, done.stderr), (0, ""))
+        lines = done.stdout.splitlines()
+        self.assertTrue(lines[0].startswith('registered 300, discoverable 299 (every grant but refunds:write), loaded 2 '
+                                            'for the query "查询 订单 状态": orders_get, shipments_get'))
+        table = {line[2:60].strip(): [int(figure.replace(",", "")) for figure in line[60:].split()]
+                 for line in lines[4:10]}
+        on_demand, full = table["on demand, in all"], table["the full path: all 299 discoverable, every request"]
+        self.assertEqual(on_demand, [sum(column) for column in zip(*list(table.values())[:4])])
+        self.assertTrue(all(part * 10 < whole for part, whole in zip(on_demand, full)))  # a tenth, and less
+        self.assertEqual(lines[-5:], [
+            '  no match        search "火星 着陆": []',
+            '  a tie           search "状态": orders_get, shipments_get, one hit each: both returned, by name',
+            lines[-3], "  grant revoked   orders:read revoked after the load: the run ends denied, orders_get started 0 "
+            "times", "  version raised  orders_get at version 2 after the load: the run ends stale_definition, "
+            "orders_get started 0 times"])
+        size = int(re.search(r"within (\d+) bytes: 2 loaded; within (\d+): definition_budget_exceeded, none loaded",
+                             lines[-3])[1])
+        self.assertIn(f"within {size - 1}: ", lines[-3])
+        (shown,) = [block for block in code_blocks(readme_section("Three hundred tools: a catalog"), "")]
+        self.assertEqual(shown, done.stdout)
+
+    def test_the_full_path_is_what_the_bridges_send_for_every_discoverable_definition(self):
+        catalog, grants, _ = agent_loop.order_catalog()
+        full = {name: entry.spec for name, entry in catalog.entries.items() if entry.permission in grants}
+        done = run_command("catalog")
+        figures = [int(figure.replace(",", "")) for figure in done.stdout.splitlines()[9][60:].split()]
+        sent = [len(json.dumps(tools(full), ensure_ascii=False, separators=(",", ":")).encode()) for tools in (
+            agent_loop.responses_tools, agent_loop.chat_tools, agent_loop.messages_tools)]
+        self.assertEqual(figures, sent)
 
 
 # The README's examples, and the result-ownership experiment (result_ownership.py, verify_ownership.py,
@@ -8383,8 +8838,29 @@ def frozen_worker(kind, where, run_id, ready, freeze):
         store.close()
 
 
+def catalog_run(store_path, ready, where):
+    """The chapter's catalog run, named and saved: it searches and loads, then writes ready and hangs, where says:
+    as the model asks for the call of the loaded tool ("decision"), or while that call runs ("call"). The parent
+    kills it there."""
+    def crash_here(**arguments):
+        open(ready, "w").close()
+        time.sleep(600)
+
+    async def main():
+        catalog, grants, functions = agent_loop.order_catalog()
+        model = agent_loop._catalog_model(crash_here if where == "decision" else lambda: None)
+        if where == "call":
+            functions = {**functions, "orders_get": crash_here}
+        with agent_loop.SqliteStore(store_path) as store:
+            await run_agent(model, registry={}, catalog=catalog, grants=grants, accept=agent_loop._catalog_accepted,
+                            store=store, run_id="chat", fixtures=agent_loop.FunctionTools(functions),
+                            limits=SLOW_ROOMY)
+
+    asyncio.run(main())
+
+
 CHILDREN = {"mcp_server": mcp_server, "crashing_run": crashing_run, "writing_run": writing_run,
-            "pool_worker": pool_worker, "frozen_worker": frozen_worker}  # what `python3 test_agent_loop.py child NAME ARGS` runs
+            "pool_worker": pool_worker, "frozen_worker": frozen_worker, "catalog_run": catalog_run}  # what `python3 test_agent_loop.py child NAME ARGS` runs
 
 
 def postgres_connection(conninfo, schema):
