@@ -1091,8 +1091,8 @@ async def _checked_run(model, limits, fixtures, cancel, registry, accept, on_ref
                 joined.append(part)
                 run.parts = tuple(joined)  # a part that joins later may ask those before it, at their seams
     except ValueError:
-        for part in joined:
-            await part.close(run, None)
+        if joined:
+            await run.seam("close")  # what the parts that joined hold for it (a claim) is let go
         for kind in kinds:
             await kind.refused(options)
         raise
@@ -1760,7 +1760,11 @@ def _offered(tools, registry, catalog):
         return lambda history: offered
     if not callable(getattr(catalog, "offered", None)):
         raise ValueError("catalog must be a Catalog")
-    return lambda history: [*offered, *tools(catalog.offered(history))]
+    clash = [name for name in registry if name in catalog.offered([])]
+    if clash:
+        raise ValueError(f"{clash[0]}: a name of the catalog's own tools, in the registry")
+    return lambda history: [*offered, *tools({name: spec for name, spec in catalog.offered(history).items()
+                                              if name not in registry})]
 
 
 def _task(task):
@@ -2020,7 +2024,7 @@ class McpTools:
 # PART 10: a named run, saved in a store as it goes, that resumes after a crash where it stopped, nothing refunded;
 # and tools that write: approved before they start, keyed so that none applies twice, unknown outcomes settled
 
-STORE_VERSION = 2  # the layout of what a store holds: a store of another version is refused
+STORE_VERSION = 3  # the layout of what a store holds: a store of another version is refused
 
 
 class Superseded(Exception):
@@ -2668,11 +2672,34 @@ async def order_model(history):
     return await fake_model(history)
 
 
-# PART 11: many workers, one database: runs leased to a pool of processes, on SQLite or on PostgreSQL
+# PART 11: many workers, one database: runs leased to a pool of processes, and durable jobs, on SQLite or PostgreSQL
 #
 # A worker is a loop over the store's queue: claim the next run, run it, repeat. Start as many as you like, on one
 # machine (SQLite) or on several (PostgreSQL): a run is one worker's at a time, and a worker that dies or freezes
-# holds its run only until its lease runs out.
+# holds its run only until its lease runs out. A job, work that outlives a call, is leased the same way (PART 14
+# works them): its owner holds a receipt, follows its events, may ask to cancel it, and fetches its result later.
+
+def _utf8_json(value):
+    """value as canonical JSON text in UTF-8 bytes: sorted keys, fixed separators, and text as it is, not escaped."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def fingerprint(value):
+    """The SHA-256 of value's canonical JSON in UTF-8, in hex: a catalog definition's digest, a job result's."""
+    return hashlib.sha256(_utf8_json(value)).hexdigest()
+
+
+JOB_STATES = ("queued", "running", "cancel_requested", "succeeded", "failed", "cancelled")  # the last three: final
+_UNFINISHED = JOB_STATES[:3]
+
+
+class JobError(Exception):
+    """A job the store refuses: its code is "key_conflict" (the owner's key names another request) or "queue_full"."""
+
+    def __init__(self, code):
+        super().__init__(code)
+        self.code = code
+
 
 _LOCK_WAIT = 0.5  # seconds a PostgreSQL statement waits for a row another transaction holds, before it looks why
 _STALLED = 1.0  # seconds a transaction holding a run whose lease ran out may last before the store ends its session
@@ -2682,10 +2709,10 @@ def _on_its_thread(method):
     """The store's method, run on the store's own thread (at once, if called there): each store uses its connection
     from one thread, one call at a time, so that a run's loop waits on none of them."""
     @wraps(method)
-    def on_its_thread(store, *args):
+    def on_its_thread(store, *args, **options):
         if threading.current_thread() is store._thread.thread:
-            return method(store, *args)
-        return store._thread.submit(method, store, *args).result()
+            return method(store, *args, **options)
+        return store._thread.submit(partial(method, **options), store, *args).result()
     return on_its_thread
 
 
@@ -2724,13 +2751,16 @@ class SqlStore(Store):
     says None and a save waits out the connection's busy timeout, then stops its run store_failed. Durability is the
     database's: SQLite's here (the write-ahead log, synchronous=FULL), PostgreSQL's own (synchronous_commit)."""
 
-    def __init__(self, connection, lease_seconds=30.0, clock=time.time):
+    def __init__(self, connection, lease_seconds=30.0, clock=time.time, max_jobs=None):
         if type(lease_seconds) not in (int, float) or not 0.1 <= lease_seconds <= 86_400:
             # Shorter, a lease could run out between a claim and the run's first save, every time.
             raise ValueError("lease_seconds must be a number of seconds from 0.1 to a day")
         if not callable(clock) or not _gives_seconds(clock):
             raise ValueError("clock must be a function of no arguments that gives seconds, such as time.time")
+        if max_jobs is not None and (type(max_jobs) is not int or max_jobs < 1):
+            raise ValueError("max_jobs must be an int >= 1, or None")
         self.lease_seconds, self.clock, self.made, self.db = float(lease_seconds), clock, False, None
+        self.max_jobs = max_jobs
         self.holder = os.urandom(8).hex()  # whose lease it is: this store object's
         self.leased = {}  # run id: the generation claim_next leased it under, until a run claims it
         self._thread = _StoreThread()
@@ -2966,6 +2996,237 @@ class SqlStore(Store):
         return [run_id for run_id, in self._sql("SELECT run_id FROM agent_loop_runs WHERE status IS NULL "
                                                 "ORDER BY added, run_id")]
 
+    # Jobs: work that outlives a call. Its owner submits it and holds a receipt; a worker claims it under a lease,
+    # reports its progress, and finishes or fails it; the owner follows its events and fetches its result later.
+
+    @_on_its_thread
+    def submit(self, owner, action_key, kind, params, deadline_seconds=None, max_attempts=2):
+        """The job's receipt ({"id", "state", "attempt", "done", "total", "error"}), once it is saved. The owner's
+        key again, with the same kind and params, is the same job: its receipt as it stands; with others, JobError
+        "key_conflict", and nothing changes. A new job beyond max_jobs unfinished ones: JobError "queue_full". Its
+        deadline is deadline_seconds from now; its attempts, max_attempts: the first submit's."""
+        for name, text in (("owner", owner), ("action_key", action_key), ("kind", kind)):
+            if not _readable(text) or not text:
+                raise ValueError(f"{name} must be a string of 1 to 80 characters")
+        if not _is_data(params):
+            raise ValueError("params must be plain JSON data")
+        if deadline_seconds is not None and not _a_time_limit(deadline_seconds):
+            raise ValueError("deadline_seconds must be a finite number > 0, or None")
+        if type(max_attempts) is not int or max_attempts < 1:
+            raise ValueError("max_attempts must be an int >= 1")
+        request = _utf8_json([kind, params]).decode()
+        with self._transaction(self.dialect["jobs"]):  # one submit at a time: ids, keys and the queue's size
+            now = self.clock()
+            row = self._sql("SELECT id, request FROM agent_loop_jobs WHERE owner = ? AND action_key = ?",
+                            (owner, action_key)).fetchone()
+            if row is not None:
+                if row[1] != request:
+                    raise JobError("key_conflict")
+                return self._receipt(row[0])
+            (unfinished,) = self._sql(f"SELECT COUNT(*) FROM agent_loop_jobs WHERE state IN {_UNFINISHED!r}").fetchone()
+            if self.max_jobs is not None and unfinished >= self.max_jobs:
+                raise JobError("queue_full")
+            (last,) = self._sql("SELECT MAX(id) FROM agent_loop_jobs").fetchone()
+            job_id = (last or 0) + 1
+            self._sql("INSERT INTO agent_loop_jobs (id, owner, action_key, kind, params, request, state, attempt, "
+                      "max_attempts, deadline, submitted, done, total) VALUES (?, ?, ?, ?, ?, ?, 'queued', 0, ?, ?, ?, "
+                      "0, 0)", (job_id, owner, action_key, kind, json.dumps(params), request, max_attempts,
+                                None if deadline_seconds is None else now + deadline_seconds, now))
+            self._job_event(job_id, "submitted", 0)
+            return self._receipt(job_id)
+
+    @_on_its_thread
+    def status(self, owner, job_id):
+        """The owner's job's receipt as it stands; None for a job that is not the owner's, or not there."""
+        return self._receipt(job_id) if self._owns(owner, job_id) else None
+
+    @_on_its_thread
+    def events(self, owner, job_id, after=0):
+        """The owner's job's events after the cursor `after`, oldest first, each {"seq", "event", "attempt", ...};
+        None for a job that is not the owner's, or not there."""
+        if type(after) is not int:
+            raise ValueError("after must be an int")
+        if not self._owns(owner, job_id):
+            return None
+        return [{"seq": seq, **json.loads(body)} for seq, body in self._sql(
+            "SELECT seq, body FROM agent_loop_job_events WHERE job_id = ? AND seq > ? ORDER BY seq", (job_id, after))]
+
+    @_on_its_thread
+    def cancel(self, owner, job_id):
+        """Ask to cancel the owner's job: a queued one is cancelled at once, a running one becomes cancel_requested
+        (its worker confirms it), a final one stays as it is. Its receipt after; None if it is not the owner's."""
+        with self._transaction():
+            if not self._owns(owner, job_id):
+                return None
+            state, attempt = self._job(job_id)[:2]
+            if state in ("queued", "running"):
+                self._job_ends(job_id, "cancelled" if state == "queued" else "cancel_requested", attempt)
+            return self._receipt(job_id)
+
+    @_on_its_thread
+    def result(self, owner, job_id):
+        """{"result", "fingerprint" (SHA-256 of its canonical JSON)} of the owner's job once it succeeded, else None."""
+        if not self._owns(owner, job_id):
+            return None
+        state, result, print_ = self._sql("SELECT state, result, fingerprint FROM agent_loop_jobs WHERE id = ?",
+                                          (job_id,)).fetchone()
+        return {"result": json.loads(result), "fingerprint": print_} if state == "succeeded" else None
+
+    @_on_its_thread
+    def claim_job(self, kinds=None):
+        """Lease the oldest claimable job (queued, its retry time come; or running with its lease run out: its worker
+        died) of these kinds (any, for None) to this store, and return {"id", "attempt", "kind", "params"}, its
+        attempt one more; or None (also while the database is too busy to answer). A job past its deadline is
+        failed (deadline_exceeded), one with no attempt left whose worker died failed (lease_expired), one whose
+        cancel was asked for before its worker died cancelled: none of them is claimed."""
+        if kinds is not None and (type(kinds) not in (list, tuple) or not kinds or not all(map(_readable, kinds))):
+            raise ValueError("kinds must be a non-empty list of kinds, or None")
+        which = "" if kinds is None else f" AND kind IN ({', '.join('?' * len(kinds))})"
+        try:
+            with self._transaction():
+                while True:
+                    now = self.clock()
+                    row = self._sql("SELECT id, state, attempt, max_attempts, deadline, kind, params FROM "
+                                    "agent_loop_jobs WHERE ((state = 'queued' AND (not_before IS NULL OR not_before <= "
+                                    "?)) OR (state IN ('running', 'cancel_requested') AND lease_until <= ?))" + which +
+                                    " ORDER BY id LIMIT 1" + self.dialect["skip_locked"],
+                                    (now, now, *(kinds or ()))).fetchone()
+                    if row is None:
+                        return None
+                    job_id, state, attempt, most, deadline, kind, params = row
+                    if state == "cancel_requested":
+                        self._job_ends(job_id, "cancelled", attempt)
+                    elif deadline is not None and deadline <= now:
+                        self._job_ends(job_id, "failed", attempt, "deadline_exceeded")
+                    elif state == "running" and attempt >= most:
+                        self._job_ends(job_id, "failed", attempt, "lease_expired")
+                    else:
+                        self._sql("UPDATE agent_loop_jobs SET state = 'running', attempt = ?, holder = ?, lease_until "
+                                  "= ?, not_before = NULL, done = 0, total = 0 WHERE id = ?",
+                                  (attempt + 1, self.holder, now + self.lease_seconds, job_id))
+                        self._job_event(job_id, "claimed", attempt + 1)
+                        return {"id": job_id, "attempt": attempt + 1, "kind": kind, "params": json.loads(params)}
+        except self.error as error:
+            if self.dialect["trouble"](error) == _BUSY:
+                return None
+            raise
+
+    @_on_its_thread
+    def progress(self, job_id, attempt, done, total):
+        """Save the attempt's progress (done of total, never backwards), renew its lease, and return the job's
+        state: cancel_requested tells its worker to stop. Superseded if this attempt holds the job no longer."""
+        if type(done) is not int or type(total) is not int or not 0 <= done <= total:
+            raise ValueError("done and total must be ints, 0 <= done <= total")
+        with self._transaction():
+            state, _, had, _, now = self._held_job(job_id, attempt)
+            if state not in _UNFINISHED:
+                return state
+            if done < had:
+                raise ValueError(f"progress goes forward: {had} done already")
+            self._sql("UPDATE agent_loop_jobs SET done = ?, total = ?, lease_until = ? WHERE id = ?",
+                      (done, total, now + self.lease_seconds, job_id))
+            self._job_event(job_id, "progress", attempt, done=done, total=total)
+            return state
+
+    @_on_its_thread
+    def renew_job(self, job_id, attempt):
+        """Extend the attempt's lease by lease_seconds from now, and return the job's state, as progress does."""
+        with self._transaction():
+            state, _, _, _, now = self._held_job(job_id, attempt)
+            self._sql("UPDATE agent_loop_jobs SET lease_until = ? WHERE id = ?", (now + self.lease_seconds, job_id))
+            return state
+
+    @_on_its_thread
+    def finish(self, job_id, attempt, result):
+        """Store the attempt's result, in one transaction with its state and event: True. False, and no result, for
+        a job that had ended already (checked first, whoever asks), one whose cancel was asked for (it is cancelled
+        now) or past its deadline (failed, deadline_exceeded). Superseded if this attempt holds the job no longer."""
+        if not _is_data(result):
+            raise ValueError("result must be plain JSON data")
+        with self._transaction():
+            row = self._job(job_id)
+            if row is not None and row[0] not in _UNFINISHED:
+                return False
+            state, _, _, deadline, now = self._held_job(job_id, attempt)
+            if state == "cancel_requested":
+                self._job_ends(job_id, "cancelled", attempt)
+            elif deadline is not None and deadline <= now:
+                self._job_ends(job_id, "failed", attempt, "deadline_exceeded")
+            else:
+                print_ = fingerprint(result)
+                self._sql("UPDATE agent_loop_jobs SET result = ?, fingerprint = ? WHERE id = ?",
+                          (json.dumps(result), print_, job_id))
+                self._job_ends(job_id, "succeeded", attempt, fingerprint=print_)
+                return True
+            return False
+
+    @_on_its_thread
+    def fail(self, job_id, attempt, error, retry_after=None):
+        """The attempt failed: with retry_after seconds, an attempt left and the next try before the deadline, the
+        job is queued again, claimable from then on; else it fails with error, a short code. Its state after (a
+        job whose cancel was asked for is cancelled). Superseded if this attempt holds the job no longer."""
+        if not _readable(error) or not error:
+            raise ValueError("error must be a short code, a string of 1 to 80 characters")
+        if retry_after is not None and (type(retry_after) not in (int, float) or not 0 <= retry_after < math.inf):
+            raise ValueError("retry_after must be a finite number of seconds >= 0, or None")
+        with self._transaction():
+            row = self._job(job_id)
+            if row is not None and row[0] not in _UNFINISHED:
+                return row[0]
+            state, most, _, deadline, now = self._held_job(job_id, attempt)
+            if state == "cancel_requested":
+                self._job_ends(job_id, "cancelled", attempt)
+                return "cancelled"
+            again = None if retry_after is None else now + retry_after
+            if again is not None and attempt < most and (deadline is None or again < deadline):
+                self._sql("UPDATE agent_loop_jobs SET state = 'queued', not_before = ?, holder = NULL, lease_until = "
+                          "NULL, error = ? WHERE id = ?", (again, error, job_id))
+                self._job_event(job_id, "queued", attempt, error=error, retry_at=again)
+                return "queued"
+            self._job_ends(job_id, "failed", attempt, error)
+            return "failed"
+
+    def _owns(self, owner, job_id):
+        return type(job_id) is int and self._sql("SELECT 1 FROM agent_loop_jobs WHERE id = ? AND owner = ?",
+                                                 (job_id, owner)).fetchone() is not None
+
+    def _receipt(self, job_id):
+        state, attempt, done, total, error = self._sql("SELECT state, attempt, done, total, error FROM agent_loop_jobs "
+                                                       "WHERE id = ?", (job_id,)).fetchone()
+        return {"id": job_id, "state": state, "attempt": attempt, "done": done, "total": total,
+                "error": error if state == "failed" else None}
+
+    def _job(self, job_id):
+        """(state, attempt, holder, lease_until, max_attempts, done, deadline) of the job, its row locked; or None."""
+        return self._sql("SELECT state, attempt, holder, lease_until, max_attempts, done, deadline FROM agent_loop_jobs "
+                         "WHERE id = ?" + self.dialect["lock"], (job_id,)).fetchone() if type(job_id) is int else None
+
+    def _held_job(self, job_id, attempt):
+        """(state, max_attempts, done, deadline, now) of a job this attempt holds, its row locked and the clock read
+        once the lock is held; Superseded ("stale" or "lease_expired") if it holds it no longer."""
+        row = self._job(job_id)
+        if row is None:
+            raise ValueError(f"no job {job_id!r}")
+        state, had, holder, until, most, done, deadline = row
+        now = self.clock()
+        fenced = self._fenced(job_id, attempt, (had, holder, until, now))
+        if fenced is not None:
+            raise fenced
+        return state, most, done, deadline, now
+
+    def _job_ends(self, job_id, state, attempt, error=None, **said):
+        """The job's new state (a final one lets its lease go), and its event."""
+        final = state not in _UNFINISHED
+        self._sql("UPDATE agent_loop_jobs SET state = ?, error = ?" + (", holder = NULL, lease_until = NULL" if final
+                                                                       else "") + " WHERE id = ?",
+                  (state, error, job_id))
+        self._job_event(job_id, state, attempt, **({"error": error} if error else {}), **said)
+
+    def _job_event(self, job_id, event, attempt, **said):
+        (last,) = self._sql("SELECT MAX(seq) FROM agent_loop_job_events WHERE job_id = ?", (job_id,)).fetchone()
+        self._sql("INSERT INTO agent_loop_job_events VALUES (?, ?, ?)",
+                  (job_id, (last or 0) + 1, json.dumps({"event": event, "attempt": attempt, **said})))
+
     def close(self):
         """Close the connection, if the store made it, and the store's thread; once closed, it stays closed."""
         if self.made and self.db is not None and not self._thread.stopped:
@@ -3070,6 +3331,7 @@ _DIALECTS = {
         "alone": None,  # the tables are made under that same lock
         "lock": "",  # nothing more: the transaction holds the whole database
         "skip_locked": "",
+        "jobs": None,  # a submit holds the one lock: ids are numbered, and the queue counted, one submit at a time
         "unstall": None,
     },
     "psycopg": {
@@ -3087,6 +3349,7 @@ _DIALECTS = {
         "alone": "SELECT pg_advisory_xact_lock(4807)",  # two processes making the tables at once would collide
         "lock": " FOR UPDATE",  # the run's row locked until the transaction ends
         "skip_locked": " FOR UPDATE SKIP LOCKED",  # a run another claim has locked is not this claim's
+        "jobs": "SELECT pg_advisory_xact_lock(4808)",  # one submit at a time: ids, keys and the queue's size
         # The sessions whose open transaction, older than _STALLED, holds the row of a run whose lease ran out (the
         # row's xmax is the holding transaction's id): ended, and waited for, a second at most.
         "unstall": "SELECT pg_terminate_backend(l.pid, 1000) FROM agent_loop_runs r JOIN pg_locks l ON l.locktype = "
@@ -3102,7 +3365,7 @@ class SqliteStore(SqlStore):
     file with tables, and none of them a store's, is refused. The workers that share it share one machine (the
     write-ahead log needs that). Close it when done, or use it in a with block."""
 
-    def __init__(self, path, lease_seconds=30.0, clock=time.time):
+    def __init__(self, path, lease_seconds=30.0, clock=time.time, max_jobs=None):
         if not isinstance(path, (str, os.PathLike)):
             raise ValueError("path must be the path of a file, or \":memory:\"")
         self.path = self._name = path
@@ -3118,7 +3381,7 @@ class SqliteStore(SqlStore):
         if tables and "agent_loop_meta" not in tables:
             db.close()
             raise ValueError(f"{path}: not a store (its tables are another program's)")
-        super().__init__(lambda: db, lease_seconds, clock)
+        super().__init__(lambda: db, lease_seconds, clock, max_jobs)
 
 
 
@@ -3131,10 +3394,20 @@ CREATE TABLE IF NOT EXISTS agent_loop_records (run_id TEXT NOT NULL, round INTEG
     PRIMARY KEY (run_id, round));
 CREATE TABLE IF NOT EXISTS agent_loop_events (run_id TEXT NOT NULL, seq INTEGER NOT NULL, body TEXT NOT NULL,
     PRIMARY KEY (run_id, seq));
+CREATE TABLE IF NOT EXISTS agent_loop_jobs (id BIGINT PRIMARY KEY, owner TEXT NOT NULL, action_key TEXT NOT NULL,
+    kind TEXT NOT NULL, params TEXT NOT NULL, request TEXT NOT NULL, state TEXT NOT NULL, attempt INTEGER NOT NULL,
+    max_attempts INTEGER NOT NULL, deadline DOUBLE PRECISION, submitted DOUBLE PRECISION NOT NULL,
+    not_before DOUBLE PRECISION, holder TEXT, lease_until DOUBLE PRECISION, done INTEGER NOT NULL,
+    total INTEGER NOT NULL, error TEXT, result TEXT, fingerprint TEXT, UNIQUE (owner, action_key));
+CREATE TABLE IF NOT EXISTS agent_loop_job_events (job_id BIGINT NOT NULL, seq INTEGER NOT NULL, body TEXT NOT NULL,
+    PRIMARY KEY (job_id, seq));
 """
 _STORE_COLUMNS = ("run_id, generation, added, config, started, state, status, answer, holder, lease_until, waits "
                   "FROM agent_loop_runs", "run_id, round, body FROM agent_loop_records",
-                  "run_id, seq, body FROM agent_loop_events")
+                  "run_id, seq, body FROM agent_loop_events",
+                  "id, owner, action_key, kind, params, request, state, attempt, max_attempts, deadline, submitted, "
+                  "not_before, holder, lease_until, done, total, error, result, fingerprint FROM agent_loop_jobs",
+                  "job_id, seq, body FROM agent_loop_job_events")
 
 # PART 12: a call's attempts: a read tried again after a transient failure, unseen by the model (full jitter, inside
 # the budgets and the deadline), and a cap on the calls of a batch in flight
@@ -3228,16 +3501,6 @@ def _backoff(run, spec, obs, attempt, whole):
 CATALOG_TOOLS = ("search_tools", "load_tools")  # the catalog's own tools, which a catalog run always has
 
 
-def _utf8_json(value):
-    """value as canonical JSON text in UTF-8 bytes: sorted keys, fixed separators, and text as it is, not escaped."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def fingerprint(value):
-    """The SHA-256 of value's canonical JSON in UTF-8, in hex: a catalog definition's digest, a job result's."""
-    return hashlib.sha256(_utf8_json(value)).hexdigest()
-
-
 @dataclass(frozen=True)
 class _Entry:
     spec: ToolSpec
@@ -3267,7 +3530,9 @@ class Catalog:
     def __init__(self, budget_bytes=4096):
         if type(budget_bytes) is not int or budget_bytes < 0:
             raise ValueError("budget_bytes must be an int >= 0")
-        self.budget_bytes, self.entries, self.digests = budget_bytes, {}, {}  # digests: every one each name has had
+        self.budget_bytes, self.entries = budget_bytes, {}
+        self.given = {}  # name: the digests a search or a load gave out for it
+        self.versions = {}  # name: {digest: the spec of that version}, every version added
 
     def add(self, name, spec, keywords=(), permission="", version=1):
         """Register spec under name, or replace its entry with a higher version; ValueError, naming the tool, else."""
@@ -3278,6 +3543,8 @@ class Catalog:
         _checked_registry({name: spec})
         if spec.parameters is None:
             raise ValueError(f"{name}: a catalog entry declares its parameters: they are what a model is told")
+        if spec.retries:
+            raise ValueError(f"{name}: a catalog tool is tried once: retries are for the registry's tools (PART 12)")
         if type(keywords) not in (list, tuple, set, frozenset) or not all(type(word) is str for word in keywords):
             raise ValueError(f"{name}: keywords must be a collection of strings")
         if type(permission) is not str or not permission:
@@ -3290,9 +3557,11 @@ class Catalog:
         definition = {"name": name, "description": spec.description, "parameters": spec._schema_check.schema,
                       "effect": "read" if spec.read_only else "write", "version": version}
         digest = fingerprint(definition)
+        if not _is_data({"tools": [{**definition, "digest": digest}]}, depth=1):  # as a load's observation holds it
+            raise ValueError(f"{name}: its parameters are nested too deep to be loaded")
         self.entries[name] = _Entry(spec, frozenset(word.casefold() for word in keywords), permission,
                                     _copy(definition), digest)
-        self.digests.setdefault(name, set()).add(digest)
+        self.versions.setdefault(name, {})[digest] = spec
 
     def search(self, query, grants, limit=5):
         """The summaries ({"name", "description", "effect", "version", "digest"}, never a schema) of the entries these
@@ -3305,7 +3574,7 @@ class Catalog:
         words, grants = set(query.casefold().split()), _grants(grants)
         hits = [(-len(entry.keywords & words), name) for name, entry in self.entries.items()
                 if entry.permission in grants]  # filtered before scoring: a hidden entry is never scored
-        return [self._summary(name) for score, name in sorted(hits) if score < 0][:limit]
+        return [self._given(self._summary(name)) for score, name in sorted(hits) if score < 0][:limit]
 
     def load(self, names, grants, budget_bytes=4096):
         """{"tools": [definition with its "digest", ...], "bytes": the UTF-8 size of their canonical JSON}, all of
@@ -3335,14 +3604,14 @@ class Catalog:
         size = len(_utf8_json(list(tools.values())))
         if size > budget_bytes:
             return {"error": "definition_budget_exceeded", "bytes": size, "budget": budget_bytes}
-        return {"tools": list(tools.values()), "bytes": size}
+        return {"tools": [self._given(definition) for definition in tools.values()], "bytes": size}
 
     def authorize(self, name, digest, grants):
         """None if name's entry may run: these grants hold its permission and digest is its current one; else
         "stale_definition" (permitted, but the digest is of an older version), "denied" (a digest it gave out for the
         entry, but the grants no longer hold its permission) or "unknown_tool"."""
         entry = self.entries.get(name) if type(name) is str else None
-        if entry is None or digest not in self.digests[name]:
+        if entry is None or type(digest) is not str or digest not in self.given.get(name, ()):
             return "unknown_tool"
         if entry.permission not in _grants(grants):
             return "denied"
@@ -3358,6 +3627,11 @@ class Catalog:
                                 parameters=definition["parameters"])
                 offered[name] = _checked_registry({name: spec})[name]
         return offered
+
+    def _given(self, told):
+        """told (a summary or a definition), its digest recorded as given out."""
+        self.given.setdefault(told["name"], set()).add(told["digest"])
+        return told
 
     def _summary(self, name):
         definition = self.entries[name].definition
@@ -3379,16 +3653,26 @@ _CATALOG_SPECS = {
 
 
 def _loaded(history):
-    """{name: definition} of each tool this history loaded (its last load), from its successful load_tools calls."""
+    """{name: definition} of each tool this history loaded (its last load), from its successful load_tools calls: only
+    definitions of the shape a load gives, whose digest is that of the rest (a store edited by hand loads nothing)."""
     loaded = {}
     for record in history if type(history) is list else ():
-        for obs in record.get("observations", ()) if type(record) is dict else ():
+        for obs in record.get("observations") if type(record) is dict and type(record.get("observations")) is list \
+                else ():
             data = obs.get("data") if type(obs) is dict and obs.get("ok") is True else None
             if obs.get("name") == "load_tools" and type(data) is dict and type(data.get("tools")) is list:
-                for definition in data["tools"]:
-                    if _has_keys(definition, {"name", "description", "parameters", "effect", "version", "digest"}):
-                        loaded[definition["name"]] = definition
+                for definition in filter(_a_definition, data["tools"]):
+                    loaded[definition["name"]] = definition
     return loaded
+
+
+def _a_definition(told):
+    """True for a definition as a load gives it: its fields of their types, and its digest that of the rest."""
+    return _has_keys(told, {"name", "description", "parameters", "effect", "version", "digest"}) and \
+        type(told["name"]) is str and REPLAYABLE_NAME.fullmatch(told["name"]) is not None and \
+        type(told["description"]) is str and type(told["parameters"]) is dict and told["effect"] in ("read", "write") \
+        and type(told["version"]) is int and type(told["digest"]) is str and _is_data(told) and \
+        told["digest"] == fingerprint({key: told[key] for key in told if key != "digest"})
 
 
 # What the gate says of a loaded tool that may not run now, as (status, reason): a hidden one is no tool at all.
@@ -3429,8 +3713,16 @@ class _CatalogRun(Part):
         clash = [name for name in run.registry if name in catalog.entries or name in CATALOG_TOOLS]
         if clash:
             raise ValueError(f"{clash[0]}: a name of the registry's and of the catalog's alike")
+        # What the tools object can say of the registry's tools (FunctionTools: a function each, a write's key), it
+        # says of every entry of the catalog's too: before the model is asked, not when a loaded one is first called.
+        entries = {name: entry.spec for name, entry in catalog.entries.items()}
+        check, writes = getattr(type(run.tools), "check_registry", None), getattr(type(run.tools), "check_writes", None)
+        if check is not None:
+            check(run.tools, entries)
+        if writes is not None:
+            writes(run.tools, sorted(name for name, spec in entries.items() if not spec.read_only))
         part = cls()
-        part.catalog, part.grants, part.base, part.loaded = catalog, grants, dict(run.registry), {}
+        part.catalog, part.grants, part.base, part.loaded, part.offered = catalog, grants, dict(run.registry), {}, False
         part.now = part._granted()
         run.registry.update(_CATALOG_SPECS)
         return part
@@ -3445,23 +3737,39 @@ class _CatalogRun(Part):
         return ended
 
     async def tools(self, run, registry, history):
-        """The registry, and each tool this history loaded that the catalog still has, as its entry now stands."""
-        return {**registry, **{name: self.catalog.entries[name].spec for name in _loaded(history)
-                               if name in self.catalog.entries and name not in registry}}
+        """The registry, and each tool this history loaded that the catalog still has: as the version it loaded, if
+        the catalog still knows it (its cost is what a batch cut by a crash is charged), else as it stands now."""
+        entries, versions = self.catalog.entries, self.catalog.versions
+        return {**registry, **{name: versions[name].get(told["digest"], entries[name].spec)
+                               for name, told in _loaded(history).items() if name in entries and name not in registry}}
 
     async def offer(self, run, value):
         """The grants read again; the tools this run loaded, and the gate that checks each call of one."""
-        self.now, self.loaded = self._granted(), _loaded(run.history)
+        self.now, self.loaded, self.offered = self._granted(), _loaded(run.history), True
+        for told in self.loaded.values():  # what this run loaded, the catalog gave out (in this process or before)
+            self.catalog._given(told)
         run.registry = await self.tools(run, {**self.base, **_CATALOG_SPECS}, run.history)
         run.authorize = self.authorize
         return value
 
     def authorize(self, name):
         """(status, reason) for a loaded tool that may not run now; None for any other tool, and one that may."""
-        if name not in self.loaded:
+        if name in self.base or name not in self.loaded:
             return None
         said = self.catalog.authorize(name, self.loaded[name]["digest"], self.now)
         return None if said is None else _GATE[said]
+
+    async def gate(self, run, observations, record, calls):
+        """Before a batch starts, its calls of loaded tools at the gate once more, if it was not admitted just now
+        (a batch resumed once its writes were approved): grants and definitions as they stand."""
+        if observations is None and not self.offered:
+            await self.offer(run, None)
+            for item in calls:
+                refused = self.authorize(item["name"])
+                if refused:
+                    raise Stop(refused[0], **_about(item["call_id"], item["name"]), reason=refused[1])
+        self.offered = False
+        return observations
 
     async def after_call(self, run, obs, item):
         """A load the catalog refused is a failed observation, retryable, with its error code and a reason."""
@@ -3481,9 +3789,10 @@ def _refusal_reason(refused):
 
 
 def _innermost(tools, wrap):
-    """wrap(tools); or, for a wrapper that keeps the tools it wraps as its `inner` (a Timeline's does), a copy of it
-    around _innermost(inner, wrap): each wrapper still sees every call, the catalog's too."""
-    if "inner" in getattr(tools, "__dict__", {}):
+    """wrap(tools); or, for a wrapper (its class says wrapper = True, and it keeps the tools it wraps as its `inner`,
+    as a Timeline's does), a copy of it around _innermost(inner, wrap): each wrapper sees every call, the catalog's
+    too."""
+    if getattr(type(tools), "wrapper", False) is True and "inner" in getattr(tools, "__dict__", {}):
         outer = copy.copy(tools)
         outer.inner = _innermost(tools.inner, wrap)
         return outer
@@ -3518,8 +3827,8 @@ _ORDER_ID = _closed(order_id={"type": "string", "pattern": "^[A-Z][0-9]{0,8}$"})
 
 def order_catalog():
     """The chapter's fixture: (catalog, grants, functions): 300 entries (orders_get, shipments_get, refunds_create,
-    a write, reports_export, and 296 archives), an identity with every grant but refunds:write, and the functions
-    of the two reads the chapter calls."""
+    a write, reports_export, and 296 archives), an identity with every grant but refunds:write, and a function for
+    each entry."""
     catalog = Catalog()
     catalog.add("orders_get", ToolSpec(1, True, True, parameters=_ORDER_ID, description=(
         "Get one order: its status, whether it is paid, and its total in cents.")),
@@ -3543,8 +3852,19 @@ def order_catalog():
     def shipments_get(order_id):
         return {"order_id": order_id, "carrier": "post", "status": "delivered"}
 
+    def refunds_create(order_id, idempotency_key):
+        return {"order_id": order_id, "refunded": True}
+
+    def reports_export(month):
+        return {"month": month, "rows": 3, "total_cents": 6000}
+
+    def archive_get(order_id):
+        return {"order_id": order_id, "archived": True}
+
+    functions = {name: archive_get for name in catalog.entries if name.startswith("archive_")}
     grants = {"orders:read", "shipments:read", "reports:read", "archive:read"}
-    return catalog, grants, {"orders_get": orders_get, "shipments_get": shipments_get}
+    return catalog, grants, {**functions, "orders_get": orders_get, "shipments_get": shipments_get,
+                             "refunds_create": refunds_create, "reports_export": reports_export}
 
 
 def _catalog_model(before_the_call=lambda: None):
@@ -3578,6 +3898,89 @@ def _catalog_accepted(answer, history):
     said = [obs["data"] for record in history for obs in record["observations"] if obs["ok"] and obs["name"] ==
             "orders_get" and obs["arguments"] == {"order_id": "A"}]
     return bool(said) and answer == {"order_id": "A", "paid": said[-1]["paid"]}
+
+
+# PART 14: work that outlives a call: a worker for durable jobs, in a few lines
+
+class RetryLater(Exception):
+    """What a job's function raises to be tried again `seconds` from now: its job is queued again if an attempt is
+    left and the deadline allows it (SqlStore.fail), else it fails."""
+
+    def __init__(self, seconds):
+        super().__init__(seconds)
+        self.seconds = seconds
+
+
+class _Cancelled(Exception):
+    """What a job's progress raises once its cancel was asked for: the function stops there."""
+
+
+async def work_jobs(store, functions):
+    """Work the jobs whose kind `functions` names, one after another, until none is claimable; return how many.
+
+    Each runs as functions[kind](**params, progress=progress): a plain function in a thread of its own, its
+    progress(done, total) a plain function too; an async one awaited, its progress async. Its lease is kept while it
+    runs (renewed every third of it). progress saves how far it got; once a cancel was asked for, it raises, the
+    function stops there, and the cancel is confirmed. What the function returns (plain data) is the job's result;
+    RetryLater(seconds) asks for another attempt then; anything else fails it with the class's name, never its
+    message. A worker fenced (its lease ran out, another claimed the job) leaves the job to the other: a thread it
+    gave up on runs on, and whatever it returns is refused."""
+    if not isinstance(store, SqlStore):
+        raise ValueError("store must be a SqlStore")
+    if type(functions) is not dict or not functions or not all(
+            type(kind) is str and _callable_object(function) for kind, function in functions.items()):
+        raise ValueError("functions must be a dict of job kinds to functions")
+    worked = 0
+    while (job := await _off_the_loop(store, store.claim_job, list(functions))) is not None:
+        with contextlib.suppress(Superseded):  # fenced: the job is another worker's now
+            await _work(store, functions[job["kind"]], job)
+        worked += 1
+    return worked
+
+
+async def _work(store, function, job):
+    """Run one claimed job to its end: its result, its retry, its failure, or its cancel confirmed."""
+    job_id, attempt, params = job["id"], job["attempt"], job["params"]
+
+    async def kept():  # the lease, renewed every third of it while the function runs; Superseded once it is lost
+        while True:
+            await asyncio.sleep(store.lease_seconds / 3)
+            await _off_the_loop(store, store.renew_job, job_id, attempt)
+
+    if type(params) is not dict:
+        await _off_the_loop(store, store.fail, job_id, attempt, "params_not_an_object")
+        return
+    if _is_async(function):
+        async def progress(done, total):
+            if await _off_the_loop(store, store.progress, job_id, attempt, done, total) == "cancel_requested":
+                raise _Cancelled
+
+        running = asyncio.ensure_future(function(**params, progress=progress))
+    else:
+        def progress(done, total):  # called in the function's thread: it waits for the store's
+            if store.progress(job_id, attempt, done, total) == "cancel_requested":
+                raise _Cancelled
+
+        running = asyncio.ensure_future(_in_thread(function, {**params, "progress": progress}))
+    keeper = asyncio.create_task(kept())
+    try:
+        await asyncio.wait((running, keeper), return_when=asyncio.FIRST_COMPLETED)
+        if keeper.done():
+            keeper.result()  # it lost the lease: Superseded
+        error = running.exception()
+    finally:
+        await _settle(running, keeper)
+    if error is None and _is_data(running.result()):
+        await _off_the_loop(store, store.finish, job_id, attempt, _copy(running.result()))
+    elif isinstance(error, _Cancelled):
+        await _off_the_loop(store, store.finish, job_id, attempt, None)  # confirmed: no result, cancelled
+    elif isinstance(error, Superseded):
+        raise error
+    elif isinstance(error, RetryLater) and type(error.seconds) in (int, float) and 0 <= error.seconds < math.inf:
+        await _off_the_loop(store, store.fail, job_id, attempt, "retry_later", error.seconds)
+    else:
+        reason = "result_not_data" if error is None else _error_type(error)
+        await _off_the_loop(store, store.fail, job_id, attempt, reason)
 
 
 # ======================================================================================================================
@@ -4516,6 +4919,8 @@ def _printable(text, most):
 class _TimedTools:
     """A tools object that records when each call starts and ends, and passes every call on as it is."""
 
+    wrapper = True  # it wraps another tools object, its inner: a catalog's tools go inside it (PART 13)
+
     def __init__(self, timeline, tools):
         self.timeline, self.inner = timeline, tools
 
@@ -4856,7 +5261,8 @@ async def catalog_numbers():
     print(f"\nbytes, as each bridge sends them (UTF-8 JSON){'':<14}{'Responses':>10}{'Chat':>10}{'Messages':>10}")
     for (title, _), row in zip(rows, figures):
         print(f"  {title:<58}" + "".join(f"{figure:>10,}" for figure in row))
-    print(f"  {'on demand, in all':<58}" + "".join(f"{sum(column):>10,}" for column in zip(*figures)))
+    title = "one request after the load, the catalog's part in all"
+    print(f"  {title:<58}" + "".join(f"{sum(column):>10,}" for column in zip(*figures)))
     print(f"  {f'the full path: all {len(full)} discoverable, every request':<58}"
           + "".join(f"{_sent(tools(full)):>10,}" for _, tools, _ in bridges))
     print("\nthe boundaries, each its own outcome:")
@@ -4883,6 +5289,155 @@ class _CatalogNumbers(Part):
 
     commands = {"catalog": ("300 tools: what is found, loaded and sent, beside the full path; the gate's boundaries",
                             lambda parser: None, lambda *_: catalog_numbers())}
+
+
+# PART 19: the long-running work chapter's experiments: a job's lifecycle, and the ways it fails, on a clock of its own
+
+def _job_store(folder, now, **options):
+    """A store in folder's jobs.db on the clock now[0], leases of 2 seconds."""
+    return SqliteStore(os.path.join(folder, "jobs.db"), lease_seconds=2, clock=lambda: now[0], **options)
+
+
+def _fenced_by(call):
+    """What a store call said: its value, or "Superseded <reason>"."""
+    try:
+        return call()
+    except Superseded as fenced:
+        return f"Superseded {fenced.reason}"
+
+
+def _receipt_text(receipt):
+    return f"job {receipt['id']} {receipt['state']}" + (f" ({receipt['error']})" if receipt["error"] else "")
+
+
+def jobs_lifecycle(folder):
+    """Print a job's life: submitted, the store reopened, claimed, its progress, finished; its events."""
+    now = [0.0]
+    store = _job_store(folder, now)
+    receipt = store.submit("ana", "sales-2026-08", "export_report", {"month": "2026-08"})
+    print(f"  0  submit sales-2026-08: {_receipt_text(receipt)}, attempt {receipt['attempt']}")
+    store.close()
+    store = _job_store(folder, now)
+    print(f"     the store closed and opened again: {_receipt_text(store.status('ana', receipt['id']))}")
+    now[0] = 1
+    job = store.claim_job()
+    print(f"  1  claimed: job {job['id']}, attempt {job['attempt']}, {job['kind']} {json.dumps(job['params'])}")
+    for done in (1, 2, 3):
+        now[0] = 1 + done
+        state = store.progress(job["id"], job["attempt"], done, 3)
+        seen = store.status("ana", job["id"])
+        print(f"  {now[0]:.0f}  progress {done}/3: {state}" + (
+            f"; a reader polls ({seen['state']}, {seen['done']}/{seen['total']}) and stops polling: it goes on"
+            if done == 1 else ""))
+    now[0] = 5
+    stored = store.finish(job["id"], job["attempt"], {"rows": 3, "total_cents": 6000})
+    got = store.result("ana", job["id"])
+    print(f"  5  finished: {stored}; {_receipt_text(store.status('ana', job['id']))}, result "
+          f"{json.dumps(got['result'])}, fingerprint {got['fingerprint'][:12]}")
+    events = store.events("ana", job["id"])
+    print(f"     {len(events)} events: {', '.join(event['event'] for event in events)}; after=5: "
+          f"{[event['event'] for event in store.events('ana', job['id'], after=5)]}")
+    store.close()
+
+
+def jobs_failures(folder):
+    """Print the ways a job fails, or is refused, each its own outcome."""
+    now = [0.0]
+    store = _job_store(folder, now)
+    first = store.submit("ana", "sales-2026-08", "export_report", {"month": "2026-08"})
+    again = store.submit("ana", "sales-2026-08", "export_report", {"month": "2026-08"})
+    print(f"  a repeated submit     the same job: {_receipt_text(again)} (first {first['id']})")
+    try:
+        store.submit("ana", "sales-2026-08", "export_report", {"month": "2026-09"})
+    except JobError as refused:
+        print(f"  a key conflict        JobError {refused.code}: nothing changed, {_receipt_text(store.status('ana', 1))}")
+    other = store.submit("bob", "sales-2026-08", "export_report", {"month": "2026-08"})
+    print(f"  two owners, one key   two jobs: {first['id']} and {other['id']}; bob's status of job 1: "
+          f"{store.status('bob', first['id'])}")
+    store.close()
+
+    def case(title, steps):
+        now[0] = 0.0
+        with tempfile.TemporaryDirectory() as place, _job_store(place, now) as a, _job_store(place, now) as b:
+            job_id = a.submit("ana", "k", "export_report", {"month": "2026-08"}, **steps.get("submit", {}))["id"]
+            said = steps["run"](a, b, job_id)
+            print(f"  {title:<21} {said}\n  {'':<21} then {_receipt_text(a.status('ana', job_id))}")
+
+    def late_worker(a, b, job_id):
+        now[0] = 1
+        first = a.claim_job()
+        now[0] = 3
+        second = b.claim_job()
+        now[0] = 4
+        late = _fenced_by(lambda: a.finish(job_id, first["attempt"], {"by": "A"}))
+        kept = b.finish(job_id, second["attempt"], {"by": "B"})
+        events = [event["event"] for event in a.events("ana", job_id)].count("succeeded")
+        return f"A claims at 1 (lease 2), B at 3; at 4 A's finish: {late}, B's: {kept}; {events} result"
+
+    def lease_out(a, b, job_id):
+        now[0] = 1
+        job = a.claim_job()
+        now[0] = 4
+        return f"A claims at 1, nobody else; at 4 A's finish: {_fenced_by(lambda: a.finish(job_id, job['attempt'], {}))}"
+
+    def cancelled(a, b, job_id):
+        now[0] = 1
+        job = a.claim_job()
+        asked = a.cancel("ana", job_id)["state"]
+        stored = a.finish(job_id, job["attempt"], {"rows": 3})
+        return f"asked while running: {asked}; the finish: {stored}, no result"
+
+    def cancelled_late(a, b, job_id):
+        now[0] = 1
+        job = a.claim_job()
+        a.finish(job_id, job["attempt"], {"rows": 3})
+        return f"asked after the finish: it stays {a.cancel('ana', job_id)['state']}"
+
+    def deadline(a, b, job_id):
+        now[0] = 1
+        job = a.claim_job()
+        now[0] = 2
+        a.progress(job_id, job["attempt"], 1, 3)
+        now[0] = 3
+        return f"a deadline of 3; progress at 2, the finish at 3: {a.finish(job_id, job['attempt'], {'rows': 3})}"
+
+    def retried(a, b, job_id):
+        now[0] = 1
+        job = a.claim_job()
+        now[0] = 2
+        queued = a.fail(job_id, job["attempt"], "busy", retry_after=3)
+        now[0] = 4
+        early = a.claim_job()
+        now[0] = 5
+        job = a.claim_job()
+        now[0] = 6
+        last = a.fail(job_id, job["attempt"], "busy", retry_after=3)
+        return (f"failed at 2, retry after 3: {queued}; at 4: {early}; at 5 attempt {job['attempt']}; failed again: "
+                f"{last}")
+
+    case("a late worker fenced", {"run": late_worker})
+    case("a lease run out", {"run": lease_out})
+    case("a cancel, running", {"run": cancelled})
+    case("a cancel, too late", {"run": cancelled_late})
+    case("a deadline reached", {"run": deadline, "submit": {"deadline_seconds": 3}})
+    case("a retry, then none", {"run": retried})
+
+
+async def jobs_chapter():
+    """Print the chapter's experiments: a job's lifecycle, then its failures, on a clock of their own."""
+    with tempfile.TemporaryDirectory() as folder:
+        print("a job's lifecycle, on a clock of its own (leases of 2):")
+        jobs_lifecycle(folder)
+    with tempfile.TemporaryDirectory() as folder:
+        print("its failures, each its own outcome:")
+        jobs_failures(folder)
+
+
+class _JobsChapter(Part):
+    """The long-running work chapter's experiments, as the core reads them: their command."""
+
+    commands = {"jobs": ("a durable job's lifecycle and its failures, on a clock of its own", lambda parser: None,
+                         lambda *_: jobs_chapter())}
 
 
 if __name__ == "__main__":

@@ -2967,7 +2967,7 @@ def cut_module(folder, end=CORE_END):
 
 # The classes of the runtime's later parts (PART 6-13), that the module cut at the banner runs as the whole does.
 RUNTIME_TESTS = ("FunctionToolsTests", "ObservedRefusalTests", "ProviderBridgeTests", "McpTests", "SavedRunTests",
-                 "WriteTests", "LeaseTests", "SqliteLeaseTests", "AttemptTests", "CatalogTests")
+                 "WriteTests", "LeaseTests", "SqliteLeaseTests", "JobTests", "AttemptTests", "CatalogTests")
 ALONE = {}  # the runs of a cut file's tests, by name: started when the whole suite loads, as they are slow
 
 
@@ -3050,7 +3050,7 @@ class LaterPartsTests(unittest.TestCase):
         self.assertEqual((every[:len(STATUSES)], len(set(every))), (STOP_STATUSES, len(every)))
         self.assertIn("superseded", every[len(STATUSES):])
         self.assertEqual(list(agent_loop.COMMANDS), ["demo"])
-        self.assertEqual(list(agent_loop.every_command()), ["demo", "scenarios", "bench", "executor", "catalog"])
+        self.assertEqual(list(agent_loop.every_command()), ["demo", "scenarios", "bench", "executor", "catalog", "jobs"])
         self.assertIs(agent_loop.every_command()["demo"][2], agent_loop._drawn_demo)  # the timeline's draws its runs
 
 
@@ -6506,8 +6506,8 @@ class SqliteLeaseTests(LeaseCase):
                 result = await run_agent(store=store, run_id=f"job-{number}", limits=ROOMY)
                 self.assertEqual(result["status"], "completed")
 
-class PostgresLeaseTests(LeaseTests):
-    """The same tests on a PostgreSQL server of their own: its concurrency, its SQL, its driver (psycopg 3)."""
+class OnPostgres:
+    """A test case's database on a PostgreSQL server of its own, started for its class: a schema of its own each."""
 
     @classmethod
     def setUpClass(cls):
@@ -6527,6 +6527,10 @@ class PostgresLeaseTests(LeaseTests):
     def connect(self):
         import psycopg
         return psycopg.connect(self.where, autocommit=True)
+
+
+class PostgresLeaseTests(OnPostgres, LeaseTests):
+    """The same tests on a PostgreSQL server of their own: its concurrency, its SQL, its driver (psycopg 3)."""
 
     def unfit(self):
         import psycopg
@@ -6630,6 +6634,367 @@ class PostgresLeaseTests(LeaseTests):
         for store in stores:
             self.addCleanup(store.close)
         self.assertClaimedApart(stores)
+
+
+class JobTests(LeaseCase):
+    """PART 11 and 14: durable jobs: a receipt after the commit, six states, the owner's calls, the worker's fenced
+    calls, work_jobs, and real crashes; here on SQLite (PostgresJobTests: the same on PostgreSQL)."""
+
+    def clocked(self, **options):
+        now = [0.0]
+        return self.store(lease_seconds=2, clock=lambda: now[0], **options), now
+
+    def events(self, store, job_id, owner="ana"):
+        return [event["event"] for event in store.events(owner, job_id)]
+
+    def test_a_receipt_comes_once_the_job_is_saved_and_the_same_key_is_the_same_job(self):
+        store, now = self.clocked()
+        receipt = store.submit("ana", "k", "export", {"month": "2026-08"})
+        self.assertEqual(receipt, {"id": 1, "state": "queued", "attempt": 0, "done": 0, "total": 0, "error": None})
+        self.assertEqual(self.store().status("ana", 1), receipt)  # another connection sees it: it was committed
+        now[0] = 1
+        store.claim_job()
+        again = store.submit("ana", "k", "export", {"month": "2026-08"}, deadline_seconds=1, max_attempts=9)
+        self.assertEqual(again, {**receipt, "state": "running", "attempt": 1})  # the receipt as it stands now
+        with self.assertRaises(agent_loop.JobError) as refused:
+            store.submit("ana", "k", "export", {"month": "2026-09"})
+        self.assertEqual(refused.exception.code, "key_conflict")
+        with self.assertRaises(agent_loop.JobError):
+            store.submit("ana", "k", "other", {"month": "2026-08"})
+        self.assertEqual(self.events(store, 1), ["submitted", "claimed"])  # nothing changed
+        self.assertEqual(store.submit("bob", "k", "export", {"month": "2026-08"})["id"], 2)  # another owner's job
+
+    def test_the_first_submits_deadline_and_attempts_hold(self):
+        store, now = self.clocked()
+        store.submit("ana", "k", "export", {}, deadline_seconds=10, max_attempts=1)
+        store.submit("ana", "k", "export", {}, deadline_seconds=1, max_attempts=5)
+        now[0] = 1
+        job = store.claim_job()
+        self.assertEqual(store.fail(1, job["attempt"], "busy", retry_after=1), "failed")  # one attempt: none left
+        store.submit("ana", "k2", "export", {}, deadline_seconds=10)
+        store.submit("ana", "k2", "export", {}, deadline_seconds=1)
+        now[0] = 5
+        job = store.claim_job()
+        self.assertEqual((job["id"], store.finish(2, job["attempt"], {"ok": True})), (2, True))  # 10 s, not 1
+
+    def test_a_full_queue_refuses_a_new_job_and_still_answers_a_repeated_submit(self):
+        store, now = self.clocked(max_jobs=2)
+        store.submit("ana", "a", "export", {})
+        store.submit("ana", "b", "export", {})
+        with self.assertRaises(agent_loop.JobError) as refused:
+            store.submit("ana", "c", "export", {})
+        self.assertEqual(refused.exception.code, "queue_full")
+        self.assertEqual(store.submit("ana", "a", "export", {})["id"], 1)
+        store.cancel("ana", 1)  # a final job leaves the queue
+        self.assertEqual(store.submit("ana", "c", "export", {})["id"], 3)
+
+    def test_another_owners_job_and_an_absent_one_answer_alike(self):
+        store, now = self.clocked()
+        store.submit("ana", "k", "export", {})
+        for owner, job_id in (("bob", 1), ("ana", 2), ("ana", "1"), ("ana", True)):
+            with self.subTest(owner=owner, job_id=job_id):
+                self.assertEqual((store.status(owner, job_id), store.events(owner, job_id),
+                                  store.cancel(owner, job_id), store.result(owner, job_id)), (None, None, None, None))
+        self.assertEqual(store.status("ana", 1)["state"], "queued")  # bob's cancel changed nothing
+
+    def test_the_owner_follows_the_events_after_a_cursor_and_fetches_the_result_once_it_succeeded(self):
+        store, now = self.clocked()
+        store.submit("ana", "k", "export", {"month": "2026-08"})
+        now[0] = 1
+        job = store.claim_job()
+        self.assertIsNone(store.result("ana", 1))
+        for done in (1, 2, 3):
+            now[0] = 1 + done
+            self.assertEqual(store.progress(1, job["attempt"], done, 3), "running")
+        now[0] = 5
+        self.assertTrue(store.finish(1, job["attempt"], {"rows": 3, "total_cents": 6000}))
+        events = store.events("ana", 1)
+        self.assertEqual([(event["seq"], event["event"], event["attempt"]) for event in events],
+                         [(1, "submitted", 0), (2, "claimed", 1), (3, "progress", 1), (4, "progress", 1),
+                          (5, "progress", 1), (6, "succeeded", 1)])
+        self.assertEqual((events[2]["done"], events[2]["total"]), (1, 3))
+        self.assertEqual(store.events("ana", 1, after=5), events[5:])
+        got = store.result("ana", 1)
+        self.assertEqual(got, {"result": {"rows": 3, "total_cents": 6000}, "fingerprint": hashlib.sha256(
+            utf8_json({"rows": 3, "total_cents": 6000})).hexdigest()})
+        self.assertEqual(events[5]["fingerprint"], got["fingerprint"])
+
+    def test_a_cancel_ends_a_queued_job_asks_a_running_one_and_leaves_a_final_one(self):
+        store, now = self.clocked()
+        for key in ("a", "b", "c"):
+            store.submit("ana", key, "export", {})
+        self.assertEqual(store.cancel("ana", 1)["state"], "cancelled")
+        now[0] = 1
+        job = store.claim_job()
+        self.assertEqual(job["id"], 2)  # a cancelled job is never claimed
+        self.assertEqual(store.cancel("ana", 2)["state"], "cancel_requested")
+        self.assertEqual(store.progress(2, job["attempt"], 1, 2), "cancel_requested")  # its worker sees it
+        self.assertEqual(store.finish(2, job["attempt"], {"rows": 1}), False)  # and confirms it: no result
+        self.assertEqual((store.status("ana", 2)["state"], store.result("ana", 2)), ("cancelled", None))
+        job = store.claim_job()
+        store.finish(3, job["attempt"], {"rows": 1})
+        self.assertEqual(store.cancel("ana", 3)["state"], "succeeded")
+        now[0] = 10
+        self.assertIsNone(store.claim_job())  # a final job never runs again
+
+    def test_a_claim_leases_the_oldest_claimable_job_of_its_kinds(self):
+        store, now = self.clocked()
+        store.submit("ana", "a", "export", {"n": 1})
+        store.submit("ana", "b", "import", {"n": 2})
+        store.submit("ana", "c", "export", {"n": 3})
+        now[0] = 1
+        self.assertEqual(store.claim_job(["import"]), {"id": 2, "attempt": 1, "kind": "import", "params": {"n": 2}})
+        self.assertEqual(store.claim_job()["id"], 1)
+        self.assertEqual(store.claim_job(("export",))["id"], 3)
+        self.assertIsNone(store.claim_job())
+        now[0] = 3  # job 1's lease ran out: its worker died, and it is claimed again, its attempt one more
+        self.assertEqual(store.claim_job(), {"id": 1, "attempt": 2, "kind": "export", "params": {"n": 1}})
+        for kinds in ([], "export", [1], {"export"}):
+            with self.subTest(kinds=kinds), self.assertRaises(ValueError):
+                store.claim_job(kinds)
+
+    def test_a_job_past_its_deadline_or_out_of_attempts_is_failed_not_claimed(self):
+        store, now = self.clocked()
+        store.submit("ana", "a", "export", {}, deadline_seconds=3)
+        store.submit("ana", "b", "export", {}, max_attempts=1)
+        store.submit("ana", "c", "export", {}, max_attempts=1)
+        now[0] = 1
+        store.claim_job(), store.claim_job(), store.claim_job()
+        store.cancel("ana", 3)  # asked, and then its worker died
+        now[0] = 4  # every lease ran out
+        self.assertIsNone(store.claim_job())
+        self.assertEqual([store.status("ana", n)["state"] for n in (1, 2, 3)], ["failed", "failed", "cancelled"])
+        self.assertEqual([store.status("ana", n)["error"] for n in (1, 2)], ["deadline_exceeded", "lease_expired"])
+
+    def test_progress_goes_forward_within_its_total_renews_the_lease_and_says_the_state(self):
+        store, now = self.clocked()
+        store.submit("ana", "k", "export", {})
+        now[0] = 1
+        job = store.claim_job()
+        for done, total in ((-1, 3), (4, 3), (1.0, 3), (True, 3)):
+            with self.subTest(done=done, total=total), self.assertRaises(ValueError):
+                store.progress(1, job["attempt"], done, total)
+        now[0] = 2.5
+        store.progress(1, job["attempt"], 2, 3)
+        with self.assertRaises(ValueError):
+            store.progress(1, job["attempt"], 1, 3)  # never backwards
+        now[0] = 4  # past the claim's lease (3), within the one progress renewed (4.5)
+        self.assertEqual(store.progress(1, job["attempt"], 3, 3), "running")
+        self.assertEqual(self.events(store, 1), ["submitted", "claimed", "progress", "progress"])
+
+    def test_a_finish_checks_first_that_the_job_has_not_ended_then_the_cancel_then_the_deadline(self):
+        store, now = self.clocked()
+        store.submit("ana", "a", "export", {}, deadline_seconds=3)
+        store.submit("ana", "b", "export", {})
+        now[0] = 1
+        first, second = store.claim_job(), store.claim_job()
+        now[0] = 2
+        store.progress(1, first["attempt"], 1, 1)
+        store.progress(2, second["attempt"], 1, 1)
+        now[0] = 3
+        self.assertFalse(store.finish(1, first["attempt"], {"late": True}))  # the deadline came
+        self.assertEqual((store.status("ana", 1)["state"], store.status("ana", 1)["error"], store.result("ana", 1)),
+                         ("failed", "deadline_exceeded", None))
+        self.assertTrue(store.finish(2, second["attempt"], {"n": 1}))
+        for who in (store, self.store(lease_seconds=2)):  # ended: False, whoever asks, and nothing changes
+            with self.subTest(who=who is store):
+                self.assertFalse(who.finish(2, second["attempt"], {"n": 2}))
+                self.assertFalse(who.finish(2, 99, {"n": 2}))
+        self.assertEqual(store.result("ana", 2)["result"], {"n": 1})
+        for result in (float("nan"), object(), (1, 2)):
+            with self.subTest(result=result), self.assertRaises(ValueError):
+                store.finish(2, second["attempt"], result)
+
+    def test_a_failure_is_queued_again_after_its_wait_only_with_an_attempt_and_time_left(self):
+        store, now = self.clocked()
+        store.submit("ana", "k", "export", {}, deadline_seconds=20)
+        now[0] = 1
+        job = store.claim_job()
+        now[0] = 2
+        self.assertEqual(store.fail(1, job["attempt"], "busy", retry_after=3), "queued")
+        now[0] = 4
+        self.assertIsNone(store.claim_job())  # not before 5
+        now[0] = 5
+        job = store.claim_job()
+        now[0] = 6
+        self.assertEqual(job["attempt"], 2)
+        self.assertEqual(store.fail(1, job["attempt"], "busy", retry_after=3), "failed")  # no attempt left
+        self.assertEqual(store.status("ana", 1)["error"], "busy")
+        store.submit("ana", "k2", "export", {}, deadline_seconds=5, max_attempts=5)
+        job = store.claim_job()
+        self.assertEqual(store.fail(2, job["attempt"], "busy", retry_after=5), "failed")  # it would end past the deadline
+        for error in ("", "x" * 81, None):
+            with self.subTest(error=error), self.assertRaises(ValueError):
+                store.fail(2, 1, error)
+
+    def test_a_worker_whose_claim_is_not_current_is_fenced(self):
+        store, now = self.clocked()
+        other = self.store(lease_seconds=2, clock=lambda: now[0])
+        store.submit("ana", "k", "export", {})
+        now[0] = 1
+        late = store.claim_job()
+        now[0] = 4  # its lease ran out, and nobody has claimed the job since
+        for call in (lambda: store.progress(1, late["attempt"], 1, 2), lambda: store.finish(1, late["attempt"], {}),
+                     lambda: store.fail(1, late["attempt"], "busy"), lambda: store.renew_job(1, late["attempt"])):
+            with self.assertRaises(agent_loop.Superseded) as fenced:
+                call()
+            self.assertEqual(fenced.exception.reason, "lease_expired")
+        current = other.claim_job()
+        with self.assertRaises(agent_loop.Superseded) as fenced:
+            store.finish(1, late["attempt"], {"by": "late"})
+        self.assertEqual(fenced.exception.reason, "stale")
+        with self.assertRaises(agent_loop.Superseded):  # the same attempt, held by another store: stale too
+            store.finish(1, current["attempt"], {"by": "late"})
+        self.assertTrue(other.finish(1, current["attempt"], {"by": "current"}))
+        self.assertEqual((store.result("ana", 1)["result"], self.events(store, 1).count("succeeded")),
+                         ({"by": "current"}, 1))
+
+    def test_what_a_job_must_be_is_a_value_error(self):
+        store, _ = self.clocked()
+        cases = [(("", "k", "x", {}), "owner must be a string of 1 to 80 characters"),
+                 (("a", "k" * 81, "x", {}), "action_key must be a string of 1 to 80 characters"),
+                 (("a", "k", None, {}), "kind must be a string of 1 to 80 characters"),
+                 (("a", "k", "x", {"n": float("inf")}), "params must be plain JSON data"),
+                 (("a", "k", "x", {}, 0), "deadline_seconds must be a finite number > 0, or None"),
+                 (("a", "k", "x", {}, None, 0), "max_attempts must be an int >= 1")]
+        for args, message in cases:
+            with self.subTest(args=args), self.assertRaises(ValueError) as refused:
+                store.submit(*args)
+            self.assertEqual(str(refused.exception), message)
+        with self.assertRaises(ValueError):
+            self.store(max_jobs=0)
+
+    async def test_work_jobs_runs_each_kind_reports_progress_and_ends_each_job_as_its_function_did(self):
+        store = self.store(lease_seconds=5)
+        seen = []
+
+        def export(month, progress):  # a plain function: in a thread, its progress plain too
+            for done in (1, 2):
+                progress(done, 2)
+            return {"month": month, "rows": 2}
+
+        async def count(n, progress):  # an async one: awaited, its progress async
+            await progress(1, 1)
+            return {"n": n}
+
+        async def busy(progress):
+            seen.append("busy")
+            raise agent_loop.RetryLater(0)
+
+        def broken(progress):
+            raise KeyError("private detail")
+
+        for key, kind, params in (("a", "export", {"month": "2026-08"}), ("b", "count", {"n": 7}),
+                                  ("c", "busy", {}), ("d", "broken", {}), ("e", "count", [1]), ("f", "other", {})):
+            store.submit("ana", key, kind, params)
+        worked = await agent_loop.work_jobs(store, {"export": export, "count": count, "busy": busy, "broken": broken})
+        states = [(store.status("ana", n)["state"], store.status("ana", n)["error"]) for n in range(1, 7)]
+        self.assertEqual(states, [("succeeded", None), ("succeeded", None), ("failed", "retry_later"),
+                                  ("failed", "KeyError"), ("failed", "params_not_an_object"), ("queued", None)])
+        self.assertEqual((worked, seen), (6, ["busy", "busy"]))  # busy: two attempts
+        self.assertEqual(store.result("ana", 1)["result"], {"month": "2026-08", "rows": 2})
+        self.assertEqual(self.events(store, 1), ["submitted", "claimed", "progress", "progress", "succeeded"])
+        self.assertNotIn("private", json.dumps([store.events("ana", n) for n in range(1, 7)]))
+
+    async def test_work_jobs_stops_a_job_at_its_next_progress_once_its_cancel_was_asked(self):
+        store = self.store(lease_seconds=5)
+        store.submit("ana", "k", "long", {})
+        reported, asked = [], threading.Event()
+
+        def long(progress):
+            for done in range(1, 100):
+                reported.append(done)
+                progress(done, 99)
+                if done == 2:
+                    asked.wait(30)  # the owner asks to cancel here
+            return {"done": 99}
+
+        working = asyncio.create_task(agent_loop.work_jobs(store, {"long": long}))
+        await wait_until(lambda: len(reported) == 2)
+        self.assertEqual(store.cancel("ana", 1)["state"], "cancel_requested")
+        asked.set()
+        await working
+        self.assertEqual((store.status("ana", 1)["state"], reported, store.result("ana", 1)), ("cancelled", [1, 2, 3], None))
+
+    async def test_work_jobs_keeps_the_lease_of_a_job_that_reports_no_progress(self):
+        store = self.store(lease_seconds=0.3)
+        other = self.store(lease_seconds=0.3)
+        store.submit("ana", "k", "quiet", {})
+
+        async def quiet(progress):
+            await asyncio.sleep(1.0)  # three leases long, and not a word
+            return {"quiet": True}
+
+        working = asyncio.create_task(agent_loop.work_jobs(store, {"quiet": quiet}))
+        for _ in range(8):
+            await asyncio.sleep(0.1)
+            self.assertIsNone(await asyncio.to_thread(other.claim_job))  # never free: its lease is kept
+        await working
+        self.assertEqual(self.events(store, 1), ["submitted", "claimed", "succeeded"])
+
+    def test_work_jobs_is_given_a_store_and_its_functions(self):
+        store = self.store()
+        for args, message in (((object(), {"a": dict}), "store must be a SqlStore"),
+                              ((store, {}), "functions must be a dict of job kinds to functions"),
+                              ((store, {"a": 1}), "functions must be a dict of job kinds to functions")):
+            with self.subTest(message=message), self.assertRaises(ValueError) as refused:
+                asyncio.run(agent_loop.work_jobs(*args))
+            self.assertEqual(str(refused.exception), message)
+
+    def crashed_worker(self, stop):
+        """A worker process that claims job 1 and, one step in, writes ready and stops there: killed (SIGKILL), or
+        stopped (SIGSTOP) and returned, to be woken."""
+        ready = os.path.join(self.folder, "ready")
+        log = open(os.path.join(self.folder, "worker.log"), "w+")
+        self.addCleanup(log.close)
+        worker = subprocess.Popen(child_command("job_worker", self.kind(), self.where, ready), stdout=log,
+                                  stderr=subprocess.STDOUT)
+        self.addCleanup(worker.wait, 60)
+        self.addCleanup(worker.kill)
+        end = time.monotonic() + 60
+        while not os.path.exists(ready):
+            self.assertTrue(worker.poll() is None and time.monotonic() < end, "the worker never got there")
+            time.sleep(0.01)
+        os.kill(worker.pid, signal.SIGKILL if stop == "kill" else signal.SIGSTOP)
+        return worker, log
+
+    async def test_a_worker_killed_mid_job_leaves_it_to_another_after_its_lease_and_it_has_one_result(self):
+        store = self.store(lease_seconds=JOB_LEASE)
+        store.submit("ana", "k", "export", {"month": "2026-08"})
+        worker, _ = self.crashed_worker("kill")
+        worker.wait(60)
+        self.assertIsNone(store.claim_job())  # its lease still runs
+        await asyncio.sleep(JOB_LEASE * 1.5)
+        self.assertEqual(await agent_loop.work_jobs(store, {"export": quick_export}), 1)
+        self.assertEqual((store.status("ana", 1)["attempt"], store.result("ana", 1)["result"]), (2, {"by": "second"}))
+        self.assertEqual(self.events(store, 1).count("succeeded"), 1)
+
+    async def test_a_worker_stopped_past_its_lease_and_woken_is_refused_and_the_job_keeps_one_result(self):
+        store = self.store(lease_seconds=JOB_LEASE)
+        store.submit("ana", "k", "export", {"month": "2026-08"})
+        worker, log = self.crashed_worker("stop")
+        await asyncio.sleep(JOB_LEASE * 1.5)
+        self.assertEqual(await agent_loop.work_jobs(store, {"export": quick_export}), 1)  # another took it over
+        open(os.path.join(self.folder, "ready.woken"), "w").close()
+        os.kill(worker.pid, signal.SIGCONT)
+        self.assertEqual(worker.wait(60), 0)
+        log.seek(0)
+        said = [json.loads(line) for line in log.read().splitlines()]
+        self.assertEqual(said, [{"progress": "stale"}, {"finish": False}])  # woken: refused; the job had ended
+        self.assertEqual((store.result("ana", 1)["result"], self.events(store, 1).count("succeeded")),
+                         ({"by": "second"}, 1))
+
+
+JOB_LEASE = 0.5  # seconds: the crash tests wait one and a half of these
+
+
+def quick_export(month, progress):
+    progress(1, 1)
+    return {"by": "second"}
+
+
+class PostgresJobTests(OnPostgres, JobTests):
+    """The job tests on a PostgreSQL server of their own."""
 
 
 # PART 12: a call's attempts: reads tried again unseen by the model, a tool's own time limit, a cap on calls in
@@ -6916,6 +7281,10 @@ def utf8_json(value):
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
+def fingerprint_of(catalog, name):
+    return hashlib.sha256(utf8_json(catalog.entries[name].definition)).hexdigest()
+
+
 def small_catalog():
     catalog = agent_loop.Catalog()
     catalog.add("orders_get", ToolSpec(1, True, True, parameters=ORDER, description="Get one order."),
@@ -7021,7 +7390,7 @@ class CatalogTests(RuntimeTestCase):
         self.assertEqual(catalog.authorize("orders_got", v1, {"orders:read"}), "unknown_tool")
 
     async def catalog_run(self, model, catalog=None, grants=ORDER_GRANTS, **options):
-        catalog, _, functions = agent_loop.order_catalog() if catalog is None else (catalog, None, None)
+        fixture, _, functions = agent_loop.order_catalog()
         started = []
 
         def orders_get(order_id):
@@ -7029,8 +7398,10 @@ class CatalogTests(RuntimeTestCase):
             return {"order_id": order_id, "paid": True}
 
         options.setdefault("limits", ROOMY)
-        result = await run_agent(model, registry={}, catalog=catalog, grants=grants, accept=options.pop(
-            "accept", any_answer), fixtures=agent_loop.FunctionTools({"orders_get": orders_get}), **options)
+        functions = {name: function for name, function in functions.items() if name in (catalog or fixture).entries}
+        result = await run_agent(model, registry={}, catalog=catalog or fixture, grants=grants, accept=options.pop(
+            "accept", any_answer), fixtures=agent_loop.FunctionTools({**functions, "orders_get": orders_get}),
+            **options)
         return result, started
 
     async def test_a_model_searches_loads_and_calls_a_tool_through_function_tools_and_completes(self):
@@ -7174,6 +7545,177 @@ class CatalogTests(RuntimeTestCase):
                 self.assertEqual(offered, [["load_tools", "lookup", "search_tools"]] * 2 + [
                     ["load_tools", "lookup", "orders_get", "search_tools", "shipments_get"]] * 2)
                 self.assertTrue(all("catalog" not in request for request in create.requests))
+
+    async def test_a_write_paused_for_approval_meets_the_gate_again_when_it_is_approved(self):
+        for change in ("revoked", "raised"):
+            with self.subTest(change=change):
+                catalog, grants, functions = agent_loop.order_catalog()
+                granted, applied = grants | {"refunds:write"}, []
+                functions["refunds_create"] = lambda order_id, idempotency_key: applied.append(order_id) or {}
+                model = scripted(calls(call("l", "load_tools", names=["refunds_create"])),
+                                 calls(call("w", "refunds_create", order_id="A")), final("done"))
+                options = dict(registry={}, catalog=catalog, grants=lambda: granted, accept=any_answer, run_id="r",
+                               fixtures=agent_loop.FunctionTools(functions), limits=ROOMY)
+                with agent_loop.SqliteStore(":memory:") as store:
+                    paused = await run_agent(model, store=store, approve=lambda write: "ask", **options)
+                    self.assertEqual(paused["status"], "awaiting_approval")
+                    if change == "revoked":
+                        granted.discard("refunds:write")
+                    else:
+                        entry = catalog.entries["refunds_create"]
+                        catalog.add("refunds_create", entry.spec, entry.keywords, entry.permission, 2)
+                    result = await run_agent(model, store=store, approvals={"w": "approve"}, **options)
+                self.assertEqual((result["status"], applied),
+                                 ("denied" if change == "revoked" else "stale_definition", []))
+
+    async def test_a_run_refused_after_parts_joined_is_a_value_error_and_lets_its_claim_go(self):
+        catalog, grants, functions = agent_loop.order_catalog()
+        read = {"read": ToolSpec(1, True, True, parameters=ORDER, retries=1)}
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "runs.db")
+            for options in (dict(registry=read, fixtures=agent_loop.FunctionTools({**functions, "read": dict})),
+                            dict(registry={}, fixtures=agent_loop.FunctionTools(functions), catalog=catalog,
+                                 grants=grants)):
+                with self.subTest(options=sorted(options)), agent_loop.SqliteStore(path) as store:
+                    with self.assertRaises(ValueError) as refused:
+                        await run_agent(store=store, run_id="r", approvals={"zz": "approve"}, accept=any_answer,
+                                        limits=ROOMY, **options)
+                    self.assertEqual(str(refused.exception), "zz: not a write awaiting approval in this run")
+
+    async def test_a_run_resumed_with_a_catalog_built_at_a_later_version_says_stale_definition(self):
+        with tempfile.TemporaryDirectory() as folder:
+            path, ready = os.path.join(folder, "runs.db"), os.path.join(folder, "ready")
+            run_in_a_process("catalog_run", path, ready, "decision", kill_when=ready)
+            fixture, grants, functions = agent_loop.order_catalog()
+            catalog = agent_loop.Catalog()  # a new process's: the entries as they stand now, never version 1
+            for name, entry in fixture.entries.items():
+                catalog.add(name, entry.spec, entry.keywords, entry.permission, 2 if name == "orders_get" else 1)
+            with agent_loop.SqliteStore(path) as store:
+                result = await run_agent(agent_loop._catalog_model(), registry={}, catalog=catalog, grants=grants,
+                                         accept=agent_loop._catalog_accepted, store=store, run_id="chat",
+                                         fixtures=agent_loop.FunctionTools(functions), limits=SLOW_ROOMY)
+        self.assertEqual((result["status"], result["trace"][-1]["name"]), ("stale_definition", "orders_get"))
+
+    async def test_a_batch_a_crash_cut_is_charged_at_the_cost_of_the_version_it_loaded(self):
+        with tempfile.TemporaryDirectory() as folder:
+            path, ready = os.path.join(folder, "runs.db"), os.path.join(folder, "ready")
+            run_in_a_process("catalog_run", path, ready, "call", kill_when=ready)
+            catalog, grants, functions = agent_loop.order_catalog()
+            entry = catalog.entries["orders_get"]
+            catalog.add("orders_get", dataclasses.replace(entry.spec, cost=3), entry.keywords, entry.permission, 2)
+            with agent_loop.SqliteStore(path) as store:
+                result = await run_agent(agent_loop._catalog_model(), registry={}, catalog=catalog, grants=grants,
+                                         accept=agent_loop._catalog_accepted, store=store, run_id="chat",
+                                         fixtures=agent_loop.FunctionTools(functions), limits=SLOW_ROOMY)
+        interrupted = [event for event in result["trace"] if event["event"] == "observations"][2]
+        self.assertEqual(interrupted["credits"], 12)  # 3 + 1, 3 + 1, 3 + the cut call at version 1's cost: 1, not 3
+        self.assertEqual(result["status"], "stale_definition")  # and its next call, of version 1, is stale
+
+    async def test_a_load_a_store_edited_by_hand_forged_loads_nothing_and_raises_nothing(self):
+        catalog, grants, functions = agent_loop.order_catalog()
+        real = catalog.load(["orders_get"], grants)["tools"][0]
+        forged = [{**real, "digest": []}, {**real, "name": ["orders_get"]}, {**real, "description": "Anything."},
+                  {**real, "version": "1"}, "orders_get", None]
+        for told in forged:
+            with self.subTest(told=told), tempfile.TemporaryDirectory() as folder:
+                path = os.path.join(folder, "runs.db")
+                model = scripted(calls(call("s", "search_tools", query="订单")), calls(call("o", "orders_get",
+                                                                                        order_id="A")))
+                options = dict(registry={}, catalog=catalog, grants=grants, accept=any_answer, run_id="r",
+                               fixtures=agent_loop.FunctionTools(functions), limits=ROOMY)
+                with agent_loop.SqliteStore(path) as store:  # it searches, then repeats its call id: it ends
+                    await run_agent(scripted(calls(call("s", "search_tools", query="订单"))), store=store, **options)
+                db = sqlite3.connect(path)
+                (body,) = db.execute("SELECT body FROM agent_loop_records WHERE round = 1").fetchone()
+                record = json.loads(body)
+                record["calls"][0]["name"] = record["observations"][0]["name"] = "load_tools"
+                record["observations"][0]["data"] = {"tools": [told], "bytes": 1}
+                db.execute("UPDATE agent_loop_records SET body = ?", (json.dumps(record),))
+                db.execute("UPDATE agent_loop_runs SET status = NULL, answer = NULL")
+                db.execute("DELETE FROM agent_loop_events WHERE seq = (SELECT MAX(seq) FROM agent_loop_events)")
+                db.commit()
+                db.close()
+                with agent_loop.SqliteStore(path) as store:
+                    result = await run_agent(model, store=store, **options)
+                self.assertEqual((result["status"], result["trace"][-1].get("call_id")), ("unknown_tool", "o"))
+        self.assertEqual(catalog.authorize("orders_get", ["digest"], grants), "unknown_tool")
+
+    def test_an_entry_that_could_not_run_or_be_loaded_is_refused_when_it_is_added(self):
+        catalog, nested = agent_loop.Catalog(), {"type": "object"}
+        for _ in range(15):
+            nested = {"type": "object", "properties": {"a": nested}, "required": ["a"], "additionalProperties": False}
+        with self.assertRaises(ValueError) as refused:
+            catalog.add("deep", ToolSpec(1, True, True, parameters=nested), permission="p")
+        self.assertEqual(str(refused.exception), "deep: its parameters are nested too deep to be loaded")
+        with self.assertRaises(ValueError) as refused:
+            catalog.add("flaky", ToolSpec(1, True, True, parameters=ORDER, retries=2), permission="p")
+        self.assertEqual(str(refused.exception),
+                         "flaky: a catalog tool is tried once: retries are for the registry's tools (PART 12)")
+        self.assertEqual(catalog.entries, {})
+
+    async def test_the_tools_object_is_checked_against_every_entry_before_the_model_is_asked(self):
+        catalog, grants, functions = agent_loop.order_catalog()
+        without = {name: function for name, function in functions.items() if name != "archive_001_get"}
+        await self.assertRefusedBeforeTheModelIsAsked(
+            "archive_001_get: FunctionTools has no function for it", registry={}, catalog=catalog, grants=grants,
+            accept=any_answer, fixtures=agent_loop.FunctionTools(without))
+        keyless = {**functions, "refunds_create": lambda order_id: {}}
+        await self.assertRefusedBeforeTheModelIsAsked(
+            "refunds_create: a write function takes the keyword argument idempotency_key", registry={},
+            catalog=catalog, grants=grants, accept=any_answer, fixtures=agent_loop.FunctionTools(keyless))
+
+    async def test_a_tools_object_of_yours_with_an_inner_is_used_as_it_is(self):
+        catalog, grants, functions = agent_loop.order_catalog()
+
+        class Counted:
+            def __init__(self):
+                self.inner, self.count = agent_loop.FunctionTools(functions), 0
+
+            async def invoke(self, call):
+                self.count += 1
+                return await self.inner.invoke(call)
+
+        tools = Counted()
+        result = await run_agent(agent_loop._catalog_model(), registry={}, catalog=catalog, grants=grants,
+                                 accept=agent_loop._catalog_accepted, fixtures=tools, limits=ROOMY)
+        self.assertEqual((result["status"], tools.count), ("completed", 1))  # orders_get; search and load: the catalog's
+
+    def test_the_gate_names_nothing_the_catalog_never_gave_out(self):
+        catalog = small_catalog()
+        hidden = fingerprint_of(catalog, "refunds_create")
+        self.assertEqual(catalog.authorize("refunds_create", hidden, ORDER_GRANTS), "unknown_tool")  # never given out
+        catalog.load(["refunds_create"], {"refunds:write"})  # given out to an identity that may use it
+        self.assertEqual(catalog.authorize("refunds_create", hidden, ORDER_GRANTS), "denied")
+
+    async def test_a_name_of_the_registry_stays_the_registrys_in_a_run_and_in_a_request(self):
+        catalog, grants, functions = agent_loop.order_catalog()
+        lookup = {"lookup": ToolSpec(1, True, True, parameters=ORDER, description="The registry's own.")}
+        for name, (make_model, options, reply_calls, reply_text) in BRIDGES.items():
+            with self.subTest(bridge=name):
+                with self.assertRaises(ValueError) as refused:
+                    make_model(Recorder(), "t", {**lookup, "load_tools": lookup["lookup"]}, catalog=catalog, **options)
+                self.assertEqual(str(refused.exception), "load_tools: a name of the catalog's own tools, in the registry")
+                added = agent_loop.Catalog()
+                added.add("orders_get", catalog.entries["orders_get"].spec, ("order",), "orders:read")
+                create = Recorder(reply_calls(("r1", "load_tools", {"names": ["orders_get", "lookup"]})),
+                                  reply_calls(("r2", "lookup", {"order_id": "A"})), reply_text("done"))
+                model = make_model(create, "t", lookup, catalog=added, **options)
+                asked = []
+
+                def grant():  # the catalog gains a tool of the registry's name, granted for the load, then no more
+                    if "lookup" not in added.entries:
+                        added.add("lookup", ToolSpec(1, True, True, parameters=ORDER, description="The catalog's."),
+                                  ("order",), "lookup:read")
+                    asked.append(True)
+                    return ORDER_GRANTS | ({"lookup:read"} if len(asked) <= 2 else set())
+
+                result = await run_agent(model, registry=lookup, catalog=added, grants=grant, accept=any_answer,
+                                         fixtures=agent_loop.FunctionTools({**functions, "lookup": dict}),
+                                         limits=ROOMY)
+                self.assertEqual(result["status"], "completed")
+                offered = [sorted(tool.get("name") or tool["function"]["name"] for tool in request["tools"])
+                           for request in create.requests]
+                self.assertEqual(offered[-1], ["load_tools", "lookup", "orders_get", "search_tools"])
 
     async def test_a_named_run_killed_after_a_load_resumes_with_the_tool_still_loaded(self):
         for where, change in (("decision", "nothing"), ("decision", "version"), ("call", "nothing")):
@@ -7419,7 +7961,7 @@ class BenchTests(unittest.TestCase):
 
     def test_help_lists_the_commands_of_the_whole_module(self):
         done = run_command("--help")
-        self.assertEqual((done.returncode, list(agent_loop.every_command())), (0, ["demo", "scenarios", "bench", "executor", "catalog"]))
+        self.assertEqual((done.returncode, list(agent_loop.every_command())), (0, ["demo", "scenarios", "bench", "executor", "catalog", "jobs"]))
         for command in agent_loop.every_command():
             self.assertIn(f"    {command} ", done.stdout)
 
@@ -8062,7 +8604,8 @@ class CatalogNumbersTests(unittest.TestCase):
                                             'for the query "查询 订单 状态": orders_get, shipments_get'))
         table = {line[2:60].strip(): [int(figure.replace(",", "")) for figure in line[60:].split()]
                  for line in lines[4:10]}
-        on_demand, full = table["on demand, in all"], table["the full path: all 299 discoverable, every request"]
+        on_demand = table["one request after the load, the catalog's part in all"]
+        full = table["the full path: all 299 discoverable, every request"]
         self.assertEqual(on_demand, [sum(column) for column in zip(*list(table.values())[:4])])
         self.assertTrue(all(part * 10 < whole for part, whole in zip(on_demand, full)))  # a tenth, and less
         self.assertEqual(lines[-5:], [
@@ -8085,6 +8628,34 @@ class CatalogNumbersTests(unittest.TestCase):
         sent = [len(json.dumps(tools(full), ensure_ascii=False, separators=(",", ":")).encode()) for tools in (
             agent_loop.responses_tools, agent_loop.chat_tools, agent_loop.messages_tools)]
         self.assertEqual(figures, sent)
+
+
+# PART 19: the long-running work chapter's experiments
+
+class JobsChapterTests(unittest.TestCase):
+    """PART 19: a job's lifecycle and its failures, on a clock of their own, one command, as the README shows it."""
+
+    def test_the_command_prints_the_chapters_outcomes_and_the_readme_shows_them(self):
+        done = run_command("jobs")
+        self.assertEqual((done.returncode, done.stderr), (0, ""))
+        lines = done.stdout.splitlines()
+        for expected in ("     the store closed and opened again: job 1 queued",
+                         "  2  progress 1/3: running; a reader polls (running, 1/3) and stops polling: it goes on",
+                         "     6 events: submitted, claimed, progress, progress, progress, succeeded; after=5: "
+                         "['succeeded']",
+                         "  a key conflict        JobError key_conflict: nothing changed, job 1 queued",
+                         "  a late worker fenced  A claims at 1 (lease 2), B at 3; at 4 A's finish: Superseded stale, "
+                         "B's: True; 1 result",
+                         "  a lease run out       A claims at 1, nobody else; at 4 A's finish: Superseded lease_expired",
+                         "                        then job 1 failed (deadline_exceeded)",
+                         "  a retry, then none    failed at 2, retry after 3: queued; at 4: None; at 5 attempt 2; "
+                         "failed again: failed"):
+            with self.subTest(line=expected):
+                self.assertIn(expected, lines)
+        self.assertRegex(done.stdout, r'  5  finished: True; job 1 succeeded, result \{"rows": 3, "total_cents": '
+                                      r'6000\}, fingerprint [0-9a-f]{12}')
+        (shown,) = code_blocks(readme_section("Work that outlives a call: durable jobs"), "")
+        self.assertEqual(shown, done.stdout)
 
 
 # The README's examples, and the result-ownership experiment (result_ownership.py, verify_ownership.py,
@@ -8859,8 +9430,34 @@ def catalog_run(store_path, ready, where):
     asyncio.run(main())
 
 
+def job_worker(kind, where, ready):
+    """A job worker on SQLite or PostgreSQL (kind) at where: it claims job 1, reports one step, writes ready and
+    waits there (the parent kills or stops it) until ready.woken is written; then it tries its next step and its
+    finish, printing what each said."""
+    def connect():
+        if kind == "sqlite":
+            return sqlite3.connect(where, isolation_level=None, timeout=30, check_same_thread=False)
+        import psycopg
+        return psycopg.connect(where, autocommit=True)
+
+    with agent_loop.SqlStore(connect, lease_seconds=JOB_LEASE) as store:
+        job = store.claim_job()
+        store.progress(job["id"], job["attempt"], 1, 3)
+        open(ready, "w").close()
+        end = time.monotonic() + 60
+        while not os.path.exists(ready + ".woken") and time.monotonic() < end:  # stopped, or killed, in here
+            time.sleep(0.01)
+        for step, call in (("progress", lambda: store.progress(job["id"], job["attempt"], 2, 3)),
+                           ("finish", lambda: store.finish(job["id"], job["attempt"], {"by": "first"}))):
+            try:
+                print(json.dumps({step: call()}), flush=True)
+            except agent_loop.Superseded as fenced:
+                print(json.dumps({step: fenced.reason}), flush=True)
+
+
 CHILDREN = {"mcp_server": mcp_server, "crashing_run": crashing_run, "writing_run": writing_run,
-            "pool_worker": pool_worker, "frozen_worker": frozen_worker, "catalog_run": catalog_run}  # what `python3 test_agent_loop.py child NAME ARGS` runs
+            "pool_worker": pool_worker, "frozen_worker": frozen_worker, "catalog_run": catalog_run,
+            "job_worker": job_worker}  # what `python3 test_agent_loop.py child NAME ARGS` runs
 
 
 def postgres_connection(conninfo, schema):
