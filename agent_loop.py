@@ -94,7 +94,7 @@ class ToolSpec:
     seconds: float | None = None  # each attempt's own time limit, in place of Limits.tool_seconds
     retries: int = 0  # a read's further attempts after a transient failure, unseen by the model (PART 12)
     backoff: tuple = (0.1, 2.0)  # (base, cap): before retry r, a random wait of up to min(cap, base * 2 ** (r - 1))
-    job: bool = False  # its work is a durable job, submitted to the run's store (PART 13)
+    job: bool = False  # its work is a durable job, submitted to the run's store (PART 15)
 
     @cached_property
     def _schema_check(self):  # the parameters, read once per ToolSpec (PART 1's tail)
@@ -131,7 +131,7 @@ class Limits:
     approval_seconds: float = 86_400.0  # how long a write may wait for its approval (PART 10): a day
     batch: int = 4  # the calls a batch may hold
     concurrency: int = 4  # the calls of a batch in flight at once
-    job_seconds: float = 3_600.0  # each job's deadline, from when it is submitted (PART 13): an hour
+    job_seconds: float = 3_600.0  # each job's deadline, from when it is submitted (PART 15): an hour
 
 
 class TemporaryError(Exception):
@@ -1005,7 +1005,8 @@ class Part:
     errors; every_status() and every_error() give the module's), refusals (names for on_refused: policy(stop, decision,
     turn, run) gives the round a refused batch becomes, or None), commands (name: (help, options(parser), async
     run(args, parser)); a later part's replaces an earlier one of its name) and options (the run_agent keywords it
-    takes). join(run, given) makes its seams for a run given those options (or whose registry or limits ask for the
+    takes), pauses (statuses that pause a named run, as awaiting_approval does, rather than end it). join(run, given)
+    makes its seams for a run given those options (or whose registry or limits ask for the
     part: a read with retries), or None: a run that asks for none of a part meets none of its seams, and the
     article's run meets none at all. Parts join in the order they are defined, but one that is `last` (a store's
     journal, which checks what it holds for the run as the others made it, then claims it) joins after the others.
@@ -1016,6 +1017,7 @@ class Part:
         refused batch recorded;
       offer(None): before a decision is read: the tools its batch may call (run.registry), and run.authorize;
       tools(registry, history): the tools a run with this history may call (the registry, and a catalog's loaded);
+      settle(None, record): a resumed run's last round, before it goes on: what a later part waits for, asked about;
       gate(None, record, calls): before the calls of a batch start: observations instead (none of them starts), or Stop;
       attempts(observe, calls): how each of those calls is tried: a function of the call that returns its observation;
       before_call(call, item): the call as its tool gets it; a Stop: it neither starts nor counts;
@@ -1024,7 +1026,7 @@ class Part:
       end(result): the result that run_agent returns;
       close(None): run_agent has returned, or was cut."""
 
-    statuses = errors = options = ()
+    statuses = errors = options = pauses = ()
     refusals = commands = types.MappingProxyType({})
     last = False
 
@@ -1493,7 +1495,7 @@ class FunctionTools:
         """Raise ValueError, before the model is asked, for a registry these functions cannot serve (None: none)."""
         if registry is None:
             raise ValueError("registry: give the registry of your FunctionTools; the default is the inventory's")
-        missing = [name for name in registry if name not in self.functions]
+        missing = [name for name, spec in registry.items() if name not in self.functions and not spec.job]
         if missing:
             raise ValueError(f"{missing[0]}: FunctionTools has no function for it")
 
@@ -2029,18 +2031,22 @@ STORE_VERSION = 3  # the layout of what a store holds: a store of another versio
 
 class Superseded(Exception):
     """What a store raises when this process holds the run no longer: its reason is "stale" (another process has
-    claimed the run since) or "lease_expired" (its lease ran out, and nobody has claimed the run since)."""
+    claimed the run since) or "lease_expired" (its lease ran out, and nobody has claimed the run since); or when
+    someone asked to cancel the run (SqlStore.cancel_run): "cancelled", and `by` says who asked."""
 
-    def __init__(self, run_id, reason="stale"):
+    def __init__(self, run_id, reason="stale", by=None):
         super().__init__(run_id, reason)
-        self.reason = reason
+        self.reason, self.by = reason, by
 
 
 _FENCES = {"stale": "another process claimed the run", "lease_expired": "its lease ran out"}
 
 
 def _lost(error):
-    """The stop of a run whose store refused it (Superseded: superseded, saying why) or failed (store_failed)."""
+    """The stop of a run whose store refused it (Superseded: superseded, saying why, or cancelled, saying who asked)
+    or failed (store_failed)."""
+    if isinstance(error, Superseded) and error.reason == "cancelled":
+        return Stop("cancelled", by=error.by if _readable(error.by) else "the store")
     if isinstance(error, Superseded):
         reason = error.reason if type(error.reason) is str and error.reason in _FENCES else "stale"
         return Stop("superseded", reason=_FENCES[reason])
@@ -2240,7 +2246,7 @@ class _Journal(Part):
         # A run paused until now ends its pause here: the time paused is no time of the run's.
         self.paused = state["paused"] + (0.0 if state["paused_at"] is None else max(0.0, time.time() - state["paused_at"]))
         self.paused_at = None
-        self.elapsed = max(0.0, time.time() - saved["started"] - self.paused) if saved else 0.0
+        self.elapsed = max(0.0, time.time() - saved["started"] - self.paused) if saved and saved["started"] else 0.0
         run.writes = self.approve is not None or bool(self.approvals) or bool(self.writes)  # writes are opt in
 
     async def _stored(self, method, *args):
@@ -2258,7 +2264,7 @@ class _Journal(Part):
             and type(saved["history"]) is list else run.registry  # with what it loaded from a catalog, say
         if saved is not None and not _a_saved_run(saved, registry, run.limits):
             why = "what the store holds for it is not a run this version saved"
-        elif saved is not None and saved["config"] != self.config:
+        elif saved is not None and saved["config"] not in (None, self.config):  # (None: cancelled before it began)
             why = "saved with another registry or other limits"
         self.unresumable = why is not None  # a pool sets such a run aside (SqlStore.give_back)
         if why:
@@ -2272,7 +2278,7 @@ class _Journal(Part):
         if self.approve is not None or self.approvals or state["writes"]:
             check, reconcile = (getattr(type(run.tools), name, None) for name in ("check_writes", "reconcile"))
             if check is not None:
-                check(run.tools, sorted(name for name, spec in run.registry.items() if not spec.read_only))
+                check(run.tools, sorted(name for name, spec in run.registry.items() if not spec.read_only and not spec.job))
             if reconcile is not None and _is_async(reconcile) is False:
                 raise ValueError("reconcile: the tools' reconcile must be async (FunctionTools takes a plain function)")
         pending = {cid for cid, write in state["writes"].items()
@@ -2318,6 +2324,7 @@ class _Journal(Part):
             record["observations"] += [self._interrupted(item) for item in cut]
             await run.emit({"event": "observations", "round": record["round"], "ids": _ids(record),
                             "parallel": _parallel(run.registry, record["calls"]), **run.used}, spent=True)
+        await run.seam("settle", None, record)  # what a later part waits for, asked about (a job's end, PART 15)
         await self._go_on(run, record)
         _stop_if_fatal(record)  # a round that stopped the run stops it again
         return None
@@ -2355,7 +2362,7 @@ class _Journal(Part):
             try:
                 await _off_the_loop(self.store, self.store.claimed, self.run_id, self.generation)
             except Exception as error:
-                self.lost = _lost(error)
+                raise self._refused(error) from None
         if self.lost is not None:
             raise self.lost
         if run.registry[item["name"]].read_only:
@@ -2369,7 +2376,7 @@ class _Journal(Part):
 
     async def after_call(self, run, obs, item):
         """A write handed to its tool that said nothing of its fate is reconciled."""
-        if item["call_id"] in self.given and not obs["ok"] and obs["error"] not in NOT_APPLIED:
+        if item["call_id"] in self.given and not obs["ok"] and obs["error"] not in (*NOT_APPLIED, *_declared("pauses")):
             return await self._reconciled(run, item, settling=False)
         return obs
 
@@ -2387,13 +2394,23 @@ class _Journal(Part):
         (a cancel or the deadline that cut a write does not end it: the next call settles the write, and goes on)."""
         if self.lost is not None:
             return _unsaved_end(result, self.lost)
-        self.waits = "approval" if result["status"] == "awaiting_approval" else "outcome" if "unknown" in result else None
+        status = result["status"]
+        self.waits = "approval" if status == "awaiting_approval" else "outcome" if "unknown" in result else \
+            status if status in _declared("pauses") else None
         if self.waits is not None:
             self.paused_at = time.time()  # a pause: its time is not counted against the run's
         try:
-            await self._save(run, None if self.waits else (result["status"], result["answer"]))
-        except Stop:
-            return _unsaved_end(result, self.lost)
+            await self._save(run, None if self.waits else (status, result["answer"]))
+        except Stop as stop:
+            if self.lost is not None:
+                return _unsaved_end(result, self.lost)
+            # A cancel was asked for meanwhile (SqlStore.cancel_run): the run ends cancelled, and that end is saved.
+            result, self.waits, self.paused_at = _unsaved_end(result, stop), None, None
+            run.trace[-1] = result["trace"][-1]
+            try:
+                await self._save(run, ("cancelled", None))
+            except Stop:
+                return _unsaved_end(result, self.lost or stop)
         return result
 
     async def close(self, run, value):
@@ -2427,10 +2444,17 @@ class _Journal(Part):
             await _off_the_loop(self.store, self.store.save, self.run_id, self.generation, _copy(self._state(run)),
                                 _copy(records), _copy(run.trace[self.events:]), end)
         except Exception as error:  # Superseded, or the database's own error (a full disk, a lock held too long)
-            self.lost = _lost(error)
-            raise self.lost from None
+            raise self._refused(error) from None
         self.saved_records, self.events = [_copy(record) for record in run.history[-1:]], len(run.trace)
         self.holding = self.holding and end is None and self.paused_at is None  # an end or a pause lets it go
+
+    def _refused(self, error):
+        """The stop of what the store refused: a cancel someone asked for (the run's end is still saved, as
+        cancelled), or a lost run (superseded, store_failed), after which nothing more is saved."""
+        stop = _lost(error)
+        if str(stop) != "cancelled":
+            self.lost = stop
+        return stop
 
     async def _verdict(self, run, record, item):
         """The verdict on one write: yours if you gave one, else the saved one, else the policy's, asked once."""
@@ -2533,11 +2557,12 @@ def _a_saved_run(saved, registry, limits):
         return False
     state, history, trace, statuses = saved["state"], saved["history"], saved["trace"], every_status()
     if not (_has_keys(state, set(_NOTHING_SAVED)) and _has_keys(state["used"], set(_NOTHING_USED))
-            and type(history) is list and type(trace) is list and type(saved["config"]) is str
-            and type(saved["started"]) in (int, float) and type(saved["generation"]) is int
+            and type(history) is list and type(trace) is list and type(saved["generation"]) is int
+            and (type(saved["config"]) is str and type(saved["started"]) in (int, float)  # or cancelled unstarted:
+                 or saved["config"] is saved["started"] is None and saved["status"] is not None and not history)
             and (saved["status"] is None or saved["status"] in statuses) and type(state["paused"]) in (int, float)
             and all(state[key] is None or type(state[key]) in (int, float) for key in ("paused_at", "asked_at"))
-            and state["waits"] in (None, "approval", "outcome") and type(state["writes"]) is dict
+            and state["waits"] in (None, "approval", "outcome", *_declared("pauses")) and type(state["writes"]) is dict
             and all(_has_keys(write, _WRITE_KEYS) and write["verdict"] in (*VERDICTS, "ask")
                     and write["by"] in ("policy", "approvals") and type(write["started"]) is bool
                     for write in state["writes"].values())):
@@ -2693,8 +2718,22 @@ JOB_STATES = ("queued", "running", "cancel_requested", "succeeded", "failed", "c
 _UNFINISHED = JOB_STATES[:3]
 
 
+_MOST = 2**31 - 1  # the largest count a job's columns hold on every database (PostgreSQL's INTEGER)
+
+
+def _a_name(text):
+    """True for a name a job's columns hold on every database: 1 to 80 printable characters (no NUL, no newline)."""
+    return type(text) is str and 1 <= len(text) <= 80 and text.isprintable() and _is_data(text)
+
+
+def _a_wait(seconds):
+    """True for a number of seconds to wait that is 0, or a time limit (finite, > 0, a float's size)."""
+    return type(seconds) in (int, float) and seconds == 0 or _a_time_limit(seconds)
+
+
 class JobError(Exception):
-    """A job the store refuses: its code is "key_conflict" (the owner's key names another request) or "queue_full"."""
+    """A job the store refuses: its code is "key_conflict" (the owner's key names another request), "queue_full",
+    or "busy" (another connection held what a submit waits for past the store's wait: try again)."""
 
     def __init__(self, code):
         super().__init__(code)
@@ -2751,7 +2790,7 @@ class SqlStore(Store):
     says None and a save waits out the connection's busy timeout, then stops its run store_failed. Durability is the
     database's: SQLite's here (the write-ahead log, synchronous=FULL), PostgreSQL's own (synchronous_commit)."""
 
-    def __init__(self, connection, lease_seconds=30.0, clock=time.time, max_jobs=None):
+    def __init__(self, connection, lease_seconds=30.0, clock=time.time, max_jobs=None, max_claims=3):
         if type(lease_seconds) not in (int, float) or not 0.1 <= lease_seconds <= 86_400:
             # Shorter, a lease could run out between a claim and the run's first save, every time.
             raise ValueError("lease_seconds must be a number of seconds from 0.1 to a day")
@@ -2759,8 +2798,10 @@ class SqlStore(Store):
             raise ValueError("clock must be a function of no arguments that gives seconds, such as time.time")
         if max_jobs is not None and (type(max_jobs) is not int or max_jobs < 1):
             raise ValueError("max_jobs must be an int >= 1, or None")
+        if type(max_claims) is not int or max_claims < 1:
+            raise ValueError("max_claims must be an int >= 1")
         self.lease_seconds, self.clock, self.made, self.db = float(lease_seconds), clock, False, None
-        self.max_jobs = max_jobs
+        self.max_jobs, self.max_claims = max_jobs, max_claims
         self.holder = os.urandom(8).hex()  # whose lease it is: this store object's
         self.leased = {}  # run id: the generation claim_next leased it under, until a run claims it
         self._thread = _StoreThread()
@@ -2837,13 +2878,26 @@ class SqlStore(Store):
         database is); and the clock read once the lock is held: (generation, holder, lease_until, now)."""
         row = self._sql("SELECT generation, holder, lease_until FROM agent_loop_runs WHERE run_id = ?"
                         + self.dialect["lock"], (run_id,)).fetchone()
-        return (*(row or (None, None, None)), self.clock())
+        return (*(row or (None, None, None)), self._now())
+
+    def _now(self):
+        """The store's clock, read now: a finite number of seconds, or ValueError (a lease cannot run on NaN)."""
+        now = self.clock()
+        if type(now) not in (int, float) or not math.isfinite(now):
+            raise ValueError("the store's clock gave no finite number of seconds")
+        return now
 
     def _unstall(self, run_id=None):
         """End the sessions that hold a run whose lease has run out (that one, or any) in a transaction that has
         lasted _STALLED: a frozen worker's. Nothing on SQLite, whose one lock no process can take from another."""
         if self.dialect["unstall"]:
-            self._sql(self.dialect["unstall"], (self.clock(), _STALLED, run_id, run_id)).fetchall()
+            self._sql(self.dialect["unstall"], (self._now(), _STALLED, run_id, run_id)).fetchall()
+
+    def _unstall_jobs(self):
+        """End the sessions that hold a job whose lease ran out in a transaction that has lasted _STALLED: a frozen
+        worker's (on PostgreSQL; SQLite's one lock no process can take from another)."""
+        if self.dialect["unstall_jobs"]:
+            self._sql(self.dialect["unstall_jobs"], (self._now(), _STALLED)).fetchall()
 
     @_on_its_thread
     def load(self, run_id):
@@ -2858,8 +2912,8 @@ class SqlStore(Store):
             records = self._sql("SELECT body FROM agent_loop_records WHERE run_id = ? ORDER BY round",
                                 (run_id,)).fetchall()
             events = self._sql("SELECT body FROM agent_loop_events WHERE run_id = ? ORDER BY seq", (run_id,)).fetchall()
-        if config is None:  # added, never started; anything more is not what a store writes
-            return None if (state, status, answer, records, events) == (None, None, None, [], []) else {}
+        if config is None and status is None:  # added, never started; anything more is not what a store writes
+            return None if (state, answer, records, events) == (None, None, [], []) else {}
         try:
             return {"config": config, "started": started, "generation": generation, "state": json.loads(state),
                     "history": [json.loads(body) for body, in records], "trace": [json.loads(body) for body, in events],
@@ -2873,7 +2927,7 @@ class SqlStore(Store):
         _checked_run_id(run_id)
         with self._transaction():
             self._sql("INSERT INTO agent_loop_runs (run_id, generation, added) VALUES (?, 0, ?) "
-                      "ON CONFLICT (run_id) DO NOTHING", (run_id, self.clock()))
+                      "ON CONFLICT (run_id) DO NOTHING", (run_id, self._now()))
 
     @_on_its_thread
     def claim_next(self):
@@ -2882,15 +2936,25 @@ class SqlStore(Store):
         try:
             self._unstall()
             with self._transaction():
-                row = self._sql("SELECT run_id FROM agent_loop_runs WHERE status IS NULL AND waits IS NULL AND "
-                                "(lease_until IS NULL OR lease_until <= ?) ORDER BY added, run_id LIMIT 1"
-                                + self.dialect["skip_locked"], (self.clock(),)).fetchone()
-                if row is None:
-                    return None
-                generation, _, _, now = self._held(row[0])
+                while True:
+                    row = self._sql(f"SELECT run_id, claims FROM agent_loop_runs r WHERE status IS NULL AND (waits IS "
+                                    f"NULL OR waits = 'awaiting_job' AND NOT EXISTS (SELECT 1 FROM agent_loop_jobs WHERE "
+                                    f"owner = r.run_id AND state IN {_UNFINISHED!r})) AND (lease_until IS NULL OR "
+                                    f"lease_until <= ?) ORDER BY added, run_id LIMIT 1" + self.dialect["skip_locked"],
+                                    (self._now(),)).fetchone()
+                    if row is None:
+                        return None
+                    generation, holder, _, now = self._held(row[0])
+                    # Handed out again while a holder's lease ran out: in a row, its workers died or froze with it.
+                    claims = row[1] + 1 if holder is not None else 1
+                    if claims <= self.max_claims:
+                        break
+                    self._sql("UPDATE agent_loop_runs SET waits = 'aside', why = ?, holder = NULL, lease_until = NULL "
+                              "WHERE run_id = ?", (f"handed out {self.max_claims} times in a row, its lease ran out "
+                                                   f"each time", row[0]))
                 generation += 1  # a new generation: a holder whose lease ran out is fenced
-                self._sql("UPDATE agent_loop_runs SET generation = ?, holder = ?, lease_until = ? WHERE run_id = ?",
-                          (generation, self.holder, now + self.lease_seconds, row[0]))
+                self._sql("UPDATE agent_loop_runs SET generation = ?, holder = ?, lease_until = ?, claims = ?, waits = "
+                          "NULL WHERE run_id = ?", (generation, self.holder, now + self.lease_seconds, claims, row[0]))
         except self.error as error:
             if self.dialect["trouble"](error) == _BUSY:
                 return None
@@ -2907,7 +2971,7 @@ class SqlStore(Store):
             try:
                 with self._transaction():
                     self._sql("INSERT INTO agent_loop_runs (run_id, generation, added) VALUES (?, 0, ?) "
-                              "ON CONFLICT (run_id) DO NOTHING", (run_id, self.clock()))
+                              "ON CONFLICT (run_id) DO NOTHING", (run_id, self._now()))
                     generation, holder, until, now = self._held(run_id)
                     leased = self.leased.pop(run_id, None) == generation and holder == self.holder and \
                         (until or 0) > now
@@ -2933,11 +2997,13 @@ class SqlStore(Store):
     @_on_its_thread
     def claimed(self, run_id, generation):
         """Superseded unless this store still holds the run under generation, its lease running."""
-        row = self._sql("SELECT generation, holder, lease_until FROM agent_loop_runs WHERE run_id = ?",
+        row = self._sql("SELECT generation, holder, lease_until, cancel FROM agent_loop_runs WHERE run_id = ?",
                         (run_id,)).fetchone()
-        fenced = self._fenced(run_id, generation, (*(row or (None, None, None)), self.clock()))
+        fenced = self._fenced(run_id, generation, (*(row or (None, None, None))[:3], self._now()))
         if fenced is not None:
             raise fenced
+        if row[3] is not None:
+            raise Superseded(run_id, "cancelled", row[3])
 
     @_on_its_thread
     def renew(self, run_id, generation):
@@ -2963,8 +3029,9 @@ class SqlStore(Store):
         limits or by another version: resumed by name, with those, it goes on)."""
         generation = self.leased.pop(run_id, None)
         if generation is not None:
-            self._sql("UPDATE agent_loop_runs SET holder = NULL, lease_until = NULL, waits = ? WHERE run_id = ? AND "
-                      "generation = ? AND holder = ?", ("aside" if aside else None, run_id, generation, self.holder))
+            self._sql("UPDATE agent_loop_runs SET holder = NULL, lease_until = NULL, waits = ?, why = ? WHERE run_id = ? "
+                      "AND generation = ? AND holder = ?", ("aside" if aside else None, "this version cannot resume it "
+                                                           "as saved" if aside else None, run_id, generation, self.holder))
 
     @_on_its_thread
     def save(self, run_id, generation, state, records, events, end=None):
@@ -2977,8 +3044,11 @@ class SqlStore(Store):
             fenced = self._fenced(run_id, generation, held)
             if fenced is not None:
                 raise fenced
+            (cancel,) = self._sql("SELECT cancel FROM agent_loop_runs WHERE run_id = ?", (run_id,)).fetchone()
+            if cancel is not None and (end or (None,))[0] != "cancelled":  # asked for: only that end is saved now
+                raise Superseded(run_id, "cancelled", cancel)
             self._sql("UPDATE agent_loop_runs SET state = ?, status = ?, answer = ?, waits = ?, holder = ?, "
-                      "lease_until = ? WHERE run_id = ?",
+                      "lease_until = ?, cancel = NULL WHERE run_id = ?",
                       (json.dumps(state), status, answer, state["waits"] if end is None and done else None,
                        None if done else self.holder, None if done else held[3] + self.lease_seconds, run_id))
             self.db.cursor().executemany(
@@ -2996,6 +3066,57 @@ class SqlStore(Store):
         return [run_id for run_id, in self._sql("SELECT run_id FROM agent_loop_runs WHERE status IS NULL "
                                                 "ORDER BY added, run_id")]
 
+    @_on_its_thread
+    def cancel_run(self, run_id, by="cancel_run"):
+        """Cancel a run from anywhere, and ask each of its unfinished jobs to cancel. One that no live lease holds
+        (added, crashed past its lease, paused, set aside) ends cancelled now, its stop event saying `by` whom; one a
+        worker holds stops cancelled at its next save, or before its next call starts. Its status after: cancelled,
+        "cancel_requested", that of a run that had ended (left as it was), or None for none of that id."""
+        if not _readable(by) or not by:
+            raise ValueError("by must be a string of 1 to 80 characters")
+        with self._transaction():
+            generation, holder, until, now = self._held(run_id)
+            row = self._sql("SELECT status, state FROM agent_loop_runs WHERE run_id = ?", (run_id,)).fetchone()
+            if row is None or row[0] is not None:
+                return None if row is None else row[0]
+            for job_id, state, attempt in self._sql(f"SELECT id, state, attempt FROM agent_loop_jobs WHERE owner = ? "
+                                                    f"AND state IN ('queued', 'running')", (run_id,)).fetchall():
+                self._job_ends(job_id, "cancelled" if state == "queued" else "cancel_requested", attempt)
+            if holder is not None and until is not None and until > now:
+                self._sql("UPDATE agent_loop_runs SET cancel = ? WHERE run_id = ?", (by, run_id))
+                return "cancel_requested"
+            state = json.loads(row[1]) if row[1] else _NOTHING_SAVED
+            stop = {"event": "stop", "status": "cancelled", **state["used"], "by": by, "run_id": run_id}
+            (last,) = self._sql("SELECT MAX(seq) FROM agent_loop_events WHERE run_id = ?", (run_id,)).fetchone()
+            self._sql("INSERT INTO agent_loop_events VALUES (?, ?, ?)", (run_id, (last or 0) + 1, json.dumps(stop)))
+            self._sql("UPDATE agent_loop_runs SET status = 'cancelled', answer = ?, waits = NULL, holder = NULL, "
+                      "lease_until = NULL, cancel = NULL, state = ? WHERE run_id = ?",
+                      (json.dumps(None), json.dumps({**state, "paused_at": None, "waits": None}), run_id))
+            return "cancelled"
+
+    @_on_its_thread
+    def overview(self):
+        """Every run and job, each a dict of plain data, oldest first, for a person to read: what python3 agent_loop.py
+        store PATH prints."""
+        runs = [{"run_id": run_id, "status": status, "generation": generation, "holder": holder, "until": until,
+                 "waits": waits, "why": why, "cancel": cancel, "used": json.loads(state)["used"] if state else None}
+                for run_id, status, generation, holder, until, waits, why, cancel, state in self._sql(
+                    "SELECT run_id, status, generation, holder, lease_until, waits, why, cancel, state FROM "
+                    "agent_loop_runs ORDER BY added, run_id")]
+        jobs = [dict(zip(("id", "owner", "kind", "state", "attempt", "done", "total", "holder", "until", "error"), row))
+                for row in self._sql("SELECT id, owner, kind, state, attempt, done, total, holder, lease_until, error "
+                                     "FROM agent_loop_jobs ORDER BY id")]
+        return {"runs": runs, "jobs": jobs}
+
+    @_on_its_thread
+    def trace(self, run_id, after=0):
+        """The run's trace events as saved, after the cursor `after`, oldest first, each with its "seq" (the first is
+        1): another process follows a run as it goes, and picks up where it left off."""
+        if type(after) is not int:
+            raise ValueError("after must be an int")
+        return [{"seq": seq, **json.loads(body)} for seq, body in self._sql(
+            "SELECT seq, body FROM agent_loop_events WHERE run_id = ? AND seq > ? ORDER BY seq", (run_id, after))]
+
     # Jobs: work that outlives a call. Its owner submits it and holds a receipt; a worker claims it under a lease,
     # reports its progress, and finishes or fails it; the owner follows its events and fetches its result later.
 
@@ -3006,17 +3127,25 @@ class SqlStore(Store):
         "key_conflict", and nothing changes. A new job beyond max_jobs unfinished ones: JobError "queue_full". Its
         deadline is deadline_seconds from now; its attempts, max_attempts: the first submit's."""
         for name, text in (("owner", owner), ("action_key", action_key), ("kind", kind)):
-            if not _readable(text) or not text:
-                raise ValueError(f"{name} must be a string of 1 to 80 characters")
+            if not _a_name(text):
+                raise ValueError(f"{name} must be a string of 1 to 80 printable characters")
         if not _is_data(params):
             raise ValueError("params must be plain JSON data")
         if deadline_seconds is not None and not _a_time_limit(deadline_seconds):
             raise ValueError("deadline_seconds must be a finite number > 0, or None")
-        if type(max_attempts) is not int or max_attempts < 1:
+        if type(max_attempts) is not int or not 1 <= max_attempts <= _MOST:
             raise ValueError("max_attempts must be an int >= 1")
         request = _utf8_json([kind, params]).decode()
+        try:
+            return self._submitted(owner, action_key, kind, params, request, deadline_seconds, max_attempts)
+        except self.error as error:
+            if self.dialect["trouble"](error) == _BUSY:
+                raise JobError("busy") from None
+            raise
+
+    def _submitted(self, owner, action_key, kind, params, request, deadline_seconds, max_attempts):
         with self._transaction(self.dialect["jobs"]):  # one submit at a time: ids, keys and the queue's size
-            now = self.clock()
+            now = self._now()
             row = self._sql("SELECT id, request FROM agent_loop_jobs WHERE owner = ? AND action_key = ?",
                             (owner, action_key)).fetchone()
             if row is not None:
@@ -3048,6 +3177,7 @@ class SqlStore(Store):
             raise ValueError("after must be an int")
         if not self._owns(owner, job_id):
             return None
+        after = min(max(after, -1), _MOST)  # a cursor past every event, or before the first
         return [{"seq": seq, **json.loads(body)} for seq, body in self._sql(
             "SELECT seq, body FROM agent_loop_job_events WHERE job_id = ? AND seq > ? ORDER BY seq", (job_id, after))]
 
@@ -3079,13 +3209,14 @@ class SqlStore(Store):
         attempt one more; or None (also while the database is too busy to answer). A job past its deadline is
         failed (deadline_exceeded), one with no attempt left whose worker died failed (lease_expired), one whose
         cancel was asked for before its worker died cancelled: none of them is claimed."""
-        if kinds is not None and (type(kinds) not in (list, tuple) or not kinds or not all(map(_readable, kinds))):
+        if kinds is not None and (type(kinds) not in (list, tuple) or not kinds or not all(map(_a_name, kinds))):
             raise ValueError("kinds must be a non-empty list of kinds, or None")
         which = "" if kinds is None else f" AND kind IN ({', '.join('?' * len(kinds))})"
         try:
+            self._unstall_jobs()
             with self._transaction():
                 while True:
-                    now = self.clock()
+                    now = self._now()
                     row = self._sql("SELECT id, state, attempt, max_attempts, deadline, kind, params FROM "
                                     "agent_loop_jobs WHERE ((state = 'queued' AND (not_before IS NULL OR not_before <= "
                                     "?)) OR (state IN ('running', 'cancel_requested') AND lease_until <= ?))" + which +
@@ -3115,7 +3246,7 @@ class SqlStore(Store):
     def progress(self, job_id, attempt, done, total):
         """Save the attempt's progress (done of total, never backwards), renew its lease, and return the job's
         state: cancel_requested tells its worker to stop. Superseded if this attempt holds the job no longer."""
-        if type(done) is not int or type(total) is not int or not 0 <= done <= total:
+        if type(done) is not int or type(total) is not int or not 0 <= done <= total <= _MOST:
             raise ValueError("done and total must be ints, 0 <= done <= total")
         with self._transaction():
             state, _, had, _, now = self._held_job(job_id, attempt)
@@ -3165,9 +3296,9 @@ class SqlStore(Store):
         """The attempt failed: with retry_after seconds, an attempt left and the next try before the deadline, the
         job is queued again, claimable from then on; else it fails with error, a short code. Its state after (a
         job whose cancel was asked for is cancelled). Superseded if this attempt holds the job no longer."""
-        if not _readable(error) or not error:
-            raise ValueError("error must be a short code, a string of 1 to 80 characters")
-        if retry_after is not None and (type(retry_after) not in (int, float) or not 0 <= retry_after < math.inf):
+        if not _a_name(error):
+            raise ValueError("error must be a short code, a string of 1 to 80 printable characters")
+        if retry_after is not None and not _a_wait(retry_after):
             raise ValueError("retry_after must be a finite number of seconds >= 0, or None")
         with self._transaction():
             row = self._job(job_id)
@@ -3187,8 +3318,8 @@ class SqlStore(Store):
             return "failed"
 
     def _owns(self, owner, job_id):
-        return type(job_id) is int and self._sql("SELECT 1 FROM agent_loop_jobs WHERE id = ? AND owner = ?",
-                                                 (job_id, owner)).fetchone() is not None
+        return type(job_id) is int and 0 < job_id <= _MOST and type(owner) is str and self._sql(
+            "SELECT 1 FROM agent_loop_jobs WHERE id = ? AND owner = ?", (job_id, owner)).fetchone() is not None
 
     def _receipt(self, job_id):
         state, attempt, done, total, error = self._sql("SELECT state, attempt, done, total, error FROM agent_loop_jobs "
@@ -3199,7 +3330,8 @@ class SqlStore(Store):
     def _job(self, job_id):
         """(state, attempt, holder, lease_until, max_attempts, done, deadline) of the job, its row locked; or None."""
         return self._sql("SELECT state, attempt, holder, lease_until, max_attempts, done, deadline FROM agent_loop_jobs "
-                         "WHERE id = ?" + self.dialect["lock"], (job_id,)).fetchone() if type(job_id) is int else None
+                         "WHERE id = ?" + self.dialect["lock"], (job_id,)).fetchone() \
+            if type(job_id) is int and 0 < job_id <= _MOST else None
 
     def _held_job(self, job_id, attempt):
         """(state, max_attempts, done, deadline, now) of a job this attempt holds, its row locked and the clock read
@@ -3208,7 +3340,7 @@ class SqlStore(Store):
         if row is None:
             raise ValueError(f"no job {job_id!r}")
         state, had, holder, until, most, done, deadline = row
-        now = self.clock()
+        now = self._now()
         fenced = self._fenced(job_id, attempt, (had, holder, until, now))
         if fenced is not None:
             raise fenced
@@ -3333,6 +3465,7 @@ _DIALECTS = {
         "skip_locked": "",
         "jobs": None,  # a submit holds the one lock: ids are numbered, and the queue counted, one submit at a time
         "unstall": None,
+        "unstall_jobs": None,
     },
     "psycopg": {
         "mark": "%s",
@@ -3356,6 +3489,10 @@ _DIALECTS = {
                    "'transactionid' AND l.transactionid = r.xmax AND l.granted JOIN pg_stat_activity a ON a.pid = "
                    "l.pid WHERE r.status IS NULL AND r.lease_until <= %s AND a.xact_start < clock_timestamp() - "
                    "make_interval(secs => %s) AND l.pid <> pg_backend_pid() AND (%s::text IS NULL OR r.run_id = %s)",
+        "unstall_jobs": "SELECT pg_terminate_backend(l.pid, 1000) FROM agent_loop_jobs j JOIN pg_locks l ON l.locktype = "
+                        "'transactionid' AND l.transactionid = j.xmax AND l.granted JOIN pg_stat_activity a ON a.pid = "
+                        "l.pid WHERE j.state IN ('running', 'cancel_requested') AND j.lease_until <= %s AND a.xact_start "
+                        "< clock_timestamp() - make_interval(secs => %s) AND l.pid <> pg_backend_pid()",
     },
 }
 
@@ -3365,7 +3502,7 @@ class SqliteStore(SqlStore):
     file with tables, and none of them a store's, is refused. The workers that share it share one machine (the
     write-ahead log needs that). Close it when done, or use it in a with block."""
 
-    def __init__(self, path, lease_seconds=30.0, clock=time.time, max_jobs=None):
+    def __init__(self, path, lease_seconds=30.0, clock=time.time, max_jobs=None, max_claims=3):
         if not isinstance(path, (str, os.PathLike)):
             raise ValueError("path must be the path of a file, or \":memory:\"")
         self.path = self._name = path
@@ -3381,7 +3518,7 @@ class SqliteStore(SqlStore):
         if tables and "agent_loop_meta" not in tables:
             db.close()
             raise ValueError(f"{path}: not a store (its tables are another program's)")
-        super().__init__(lambda: db, lease_seconds, clock, max_jobs)
+        super().__init__(lambda: db, lease_seconds, clock, max_jobs, max_claims)
 
 
 
@@ -3389,7 +3526,7 @@ _STORE_TABLES = """
 CREATE TABLE IF NOT EXISTS agent_loop_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS agent_loop_runs (run_id TEXT PRIMARY KEY, generation INTEGER NOT NULL,
     added DOUBLE PRECISION NOT NULL, config TEXT, started DOUBLE PRECISION, state TEXT, status TEXT, answer TEXT,
-    holder TEXT, lease_until DOUBLE PRECISION, waits TEXT);
+    holder TEXT, lease_until DOUBLE PRECISION, waits TEXT, claims INTEGER NOT NULL DEFAULT 0, why TEXT, cancel TEXT);
 CREATE TABLE IF NOT EXISTS agent_loop_records (run_id TEXT NOT NULL, round INTEGER NOT NULL, body TEXT NOT NULL,
     PRIMARY KEY (run_id, round));
 CREATE TABLE IF NOT EXISTS agent_loop_events (run_id TEXT NOT NULL, seq INTEGER NOT NULL, body TEXT NOT NULL,
@@ -3402,8 +3539,8 @@ CREATE TABLE IF NOT EXISTS agent_loop_jobs (id BIGINT PRIMARY KEY, owner TEXT NO
 CREATE TABLE IF NOT EXISTS agent_loop_job_events (job_id BIGINT NOT NULL, seq INTEGER NOT NULL, body TEXT NOT NULL,
     PRIMARY KEY (job_id, seq));
 """
-_STORE_COLUMNS = ("run_id, generation, added, config, started, state, status, answer, holder, lease_until, waits "
-                  "FROM agent_loop_runs", "run_id, round, body FROM agent_loop_records",
+_STORE_COLUMNS = ("run_id, generation, added, config, started, state, status, answer, holder, lease_until, waits, "
+                  "claims, why, cancel FROM agent_loop_runs", "run_id, round, body FROM agent_loop_records",
                   "run_id, seq, body FROM agent_loop_events",
                   "id, owner, action_key, kind, params, request, state, attempt, max_attempts, deadline, submitted, "
                   "not_before, holder, lease_until, done, total, error, result, fingerprint FROM agent_loop_jobs",
@@ -3939,29 +4076,40 @@ async def work_jobs(store, functions):
 
 
 async def _work(store, function, job):
-    """Run one claimed job to its end: its result, its retry, its failure, or its cancel confirmed."""
+    """Run one claimed job to its end: its result, its retry, its failure, or its cancel confirmed; Superseded if
+    another worker holds it now, or the store stayed too busy to say so for a lease."""
     job_id, attempt, params = job["id"], job["attempt"], job["params"]
 
     async def kept():  # the lease, renewed every third of it while the function runs; Superseded once it is lost
         while True:
             await asyncio.sleep(store.lease_seconds / 3)
-            await _off_the_loop(store, store.renew_job, job_id, attempt)
+            await _patiently(store, store.renew_job, job_id, attempt)
 
     if type(params) is not dict:
-        await _off_the_loop(store, store.fail, job_id, attempt, "params_not_an_object")
+        await _patiently(store, store.fail, job_id, attempt, "params_not_an_object")
         return
     if _is_async(function):
         async def progress(done, total):
-            if await _off_the_loop(store, store.progress, job_id, attempt, done, total) == "cancel_requested":
+            if await _patiently(store, store.progress, job_id, attempt, done, total) == "cancel_requested":
                 raise _Cancelled
 
-        running = asyncio.ensure_future(function(**params, progress=progress))
+        async def called():  # whatever it raises, its call's own arguments too, is the job's outcome
+            try:
+                return await function(**params, progress=progress)
+            except Exception:
+                raise
+            except BaseException as error:  # as in a thread: even SystemExit is only this job's failure, but ours
+                if isinstance(error, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                    raise  # (a cancel of ours: the lease was lost)
+                raise _Fault(type(error)) from None
+
+        running = asyncio.ensure_future(called())
     else:
-        def progress(done, total):  # called in the function's thread: it waits for the store's
-            if store.progress(job_id, attempt, done, total) == "cancel_requested":
+        def progress(done, total):  # called in the function's thread: it waits for the store's answer
+            if _patiently_here(store, store.progress, job_id, attempt, done, total) == "cancel_requested":
                 raise _Cancelled
 
-        running = asyncio.ensure_future(_in_thread(function, {**params, "progress": progress}))
+        running = asyncio.ensure_future(_in_thread(lambda: function(**params, progress=progress), {}))
     keeper = asyncio.create_task(kept())
     try:
         await asyncio.wait((running, keeper), return_when=asyncio.FIRST_COMPLETED)
@@ -3971,16 +4119,162 @@ async def _work(store, function, job):
     finally:
         await _settle(running, keeper)
     if error is None and _is_data(running.result()):
-        await _off_the_loop(store, store.finish, job_id, attempt, _copy(running.result()))
+        await _patiently(store, store.finish, job_id, attempt, _copy(running.result()))
     elif isinstance(error, _Cancelled):
-        await _off_the_loop(store, store.finish, job_id, attempt, None)  # confirmed: no result, cancelled
+        await _patiently(store, store.finish, job_id, attempt, None)  # confirmed: no result, cancelled
     elif isinstance(error, Superseded):
         raise error
-    elif isinstance(error, RetryLater) and type(error.seconds) in (int, float) and 0 <= error.seconds < math.inf:
-        await _off_the_loop(store, store.fail, job_id, attempt, "retry_later", error.seconds)
+    elif isinstance(error, RetryLater) and _a_wait(error.seconds):
+        await _patiently(store, store.fail, job_id, attempt, "retry_later", error.seconds)
     else:
-        reason = "result_not_data" if error is None else _error_type(error)
-        await _off_the_loop(store, store.fail, job_id, attempt, reason)
+        await _patiently(store, store.fail, job_id, attempt, "result_not_data" if error is None else _error_type(error))
+
+
+async def _patiently(store, method, *args):
+    """method(*args) on the store's thread, tried again while the database is busy (another connection holds what
+    it waits for) for up to a lease; then Superseded("busy"): the job's lease will run out, and it is another's."""
+    return await _off_the_loop(store, _patiently_here, store, method, *args)
+
+
+def _patiently_here(store, method, *args):
+    """_patiently, in the thread that calls it."""
+    end, wait = time.monotonic() + store.lease_seconds, 0.01
+    while True:
+        try:
+            return method(*args)
+        except store.error as error:
+            if store.dialect["trouble"](error) != _BUSY:
+                raise
+            if time.monotonic() + wait > end:
+                raise Superseded(args[0], "busy") from None
+        time.sleep(wait)
+        wait = min(wait * 2, 0.5)
+
+
+# PART 15: a run that waits for its jobs without holding a process: a tool whose work is a job
+
+class _JobRuns(Part):
+    """PART 15, as the core reads it: the tools whose work is a durable job (ToolSpec(..., job=True)), in a named
+    run: run_agent(..., store=store, run_id=...), the store one that keeps jobs (SqlStore).
+
+    A job tool's call submits a job to the store instead of running the tool (its kind the tool's name, its params
+    the call's arguments, its action key the call's idempotency_key, its owner the run, its deadline
+    Limits.job_seconds from now), and is charged as a call. Once the batch has been handled, the run pauses
+    awaiting_job, result["pending"] listing each such call with its job's id: it holds no lease and no process. The
+    same run_agent call later asks the store about each pending job: while one is unfinished, the run pauses again
+    and asks the model nothing; once all have ended, each call's observation is its job's: ok, its data the job's
+    result; or job_failed (the reason, the job's error code) or job_cancelled, both retryable; and the run goes on.
+    claim_next hands a run waiting on its jobs to a worker only once they have all ended. A job is submitted once: a
+    resume submits a cut call again under its key, which is the same job. The time paused is none of the run's. A
+    job tool that writes is approved first, as any write. In a serial batch the calls after a job's call wait until
+    the job has ended, as after a write whose outcome is unknown."""
+
+    statuses = pauses = ("awaiting_job",)
+    errors = ("job_failed", "job_cancelled")
+    options = ("store", "run_id")
+
+    @classmethod
+    async def join(cls, run, given):
+        jobs = [name for name, spec in run.registry.items() if spec.job]
+        if not jobs:
+            return None
+        if given["store"] is None:
+            raise ValueError(f"{jobs[0]}: a job tool needs a store: run_agent(..., store=..., run_id=...)")
+        if not all(callable(getattr(given["store"], name, None)) for name in ("submit", "status", "result")):
+            raise ValueError(f"{jobs[0]}: a job tool needs a store that keeps jobs, such as a SqlStore")
+        part = cls()
+        part.store, part.run_id = given["store"], given["run_id"]
+        return part
+
+    async def resume(self, run, ended):
+        run.tools = _innermost(run.tools, partial(_JobTools, self, run))  # a job tool's calls go to the store
+        return ended
+
+    async def after_call(self, run, obs, item):
+        """A job submitted: its call waits for it (a failure no model reads, for the run pauses on it)."""
+        data = obs.get("data") if obs["ok"] and run.registry[item["name"]].job else None
+        return self._waiting(item, data["job"]) if type(data) is dict and type(data.get("job")) is dict else obs
+
+    async def settle(self, run, value, record):
+        """Each job call of the run's last round that waits, or that a crash cut: its job asked about (submitted
+        again under its key: the same job), its observation the job's once it has ended."""
+        for index, (item, obs) in enumerate(zip(record["calls"], record["observations"])):
+            if item["name"] in run.registry and run.registry[item["name"]].job and not obs["ok"] and \
+                    obs["error"] in ("awaiting_job", "interrupted", "unknown_outcome"):
+                receipt = await self._submit(run, item)
+                record["observations"][index] = await self._ended(item, receipt)
+                if receipt["state"] in JOB_STATES[3:]:
+                    await run.emit({"event": "job", "round": record["round"], "call_id": item["call_id"],
+                                    "job": receipt["id"], "state": receipt["state"], **run.used}, spent=True)
+        return value
+
+    async def named(self, run, names):
+        record = run.history[-1] if run.history else None
+        pending = [{key: obs[key] for key in ("call_id", "name", "arguments", "job")} for obs in
+                   (record["observations"] if record else ()) if obs.get("error") == "awaiting_job"]
+        return {**names, "pending": pending} if pending else names
+
+    async def _submit(self, run, item):
+        key = idempotency_key(self.run_id, item["call_id"], getattr(self.store, "store_id", ""))
+        return await _off_the_loop(self.store, partial(self.store.submit, deadline_seconds=run.limits.job_seconds),
+                                   self.run_id, key, item["name"], _copy(item["arguments"]))
+
+    def _waiting(self, item, receipt):
+        return _failure(item, "awaiting_job", False, job=receipt["id"])
+
+    async def _ended(self, item, receipt):
+        """The observation of a job call, as its job stands: waiting, or its end."""
+        if receipt["state"] == "succeeded":
+            got = await _off_the_loop(self.store, self.store.result, self.run_id, receipt["id"])
+            return {**_copy(item), "ok": True, "data": got["result"], "job": receipt["id"]}
+        if receipt["state"] == "failed":
+            return _failure(item, "job_failed", True, reason=receipt["error"], job=receipt["id"])
+        if receipt["state"] == "cancelled":
+            return _failure(item, "job_cancelled", True, job=receipt["id"])
+        return self._waiting(item, receipt)
+
+
+# The inventory's order as a job: submitted by the run, placed by a job worker, its receipt the run's answer.
+JOB_ORDER_TOOLS = {**ORDER_TOOLS, "place_order": replace(ORDER_TOOLS["place_order"], job=True)}
+
+
+def place_order_job(items, progress):
+    """The order's job, for work_jobs: each line placed in turn, its progress saved; the order's receipt."""
+    for done in range(1, len(items) + 1):
+        progress(done, len(items))
+    return {"order": "PO-1", "lines": len(items), "total_cents": sum(item["cents"] for item in items)}
+
+
+async def receipt_model(history):
+    """order_model, answering with the order's receipt once the order has been placed."""
+    orders = [obs["data"] for obs in _successes(history) if obs["name"] == "place_order"]
+    return {"kind": "final", "answer": _copy(orders[-1])} if orders else await order_model(history)
+
+
+def receipt_accepted(answer, history):
+    """The answer is the receipt of an order of exactly the plan's items, the plan recomputed from the evidence."""
+    plans = [obs["data"] for obs in _successes(history) if obs["name"] == "compute_plan"]
+    return bool(plans) and accepted(plans[-1], history) and any(
+        canonical(obs["arguments"]) == canonical({"items": plans[-1]["items"]}) and canonical(obs["data"]) ==
+        canonical(answer) for obs in _successes(history) if obs["name"] == "place_order")
+
+
+class _JobTools:
+    """The run's tools object, but for its job tools, whose calls submit their job to the store."""
+
+    def __init__(self, part, run, tools):
+        self.part, self.run, self.tools = part, run, tools
+
+    async def invoke(self, call):
+        """The receipt of the job a job tool's call submitted, as {"job": receipt}; any other call, the tools'."""
+        if not self.run.registry[call["name"]].job:
+            return await self.tools.invoke(call)
+        return {"job": await self.part._submit(self.run, call)}
+
+    def __getattr__(self, name):  # reconcile and the rest: the run's own tools' (never while it is made, or copied)
+        if name.startswith("__") or "tools" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.tools, name)
 
 
 # ======================================================================================================================
@@ -3990,7 +4284,7 @@ async def _work(store, function, job):
 # ======================================================================================================================
 
 
-# PART 14: the scenario atlas: one small, deterministic run per stop status, the later parts' too
+# PART 16: the scenario atlas: one small, deterministic run per stop status, the later parts' too
 
 async def _hanging_model(history):
     await asyncio.sleep(10)
@@ -4124,6 +4418,25 @@ async def _unsure(on_event=None, timeline=None):
         return await _order_run(store, fixtures, on_event, timeline, approve=lambda write: "approve"), fixtures
 
 
+async def _order_job(on_event=None, timeline=None, finished=True):
+    """The order as a job: the run submits it and pauses; then (finished) a worker places it, and the run, called
+    again, answers with its receipt. Each step's events go to on_event."""
+    with SqliteStore(":memory:") as store:
+        fixtures = Fixtures(delays={})
+        model, tools, watcher = _recorded(timeline, receipt_model, fixtures, on_event)
+        options = dict(registry=JOB_ORDER_TOOLS, accept=receipt_accepted, fixtures=tools, store=store, run_id="order",
+                       on_event=watcher)
+        result = await run_agent(model, approve=lambda write: "approve", **options)
+        if finished:
+            await work_jobs(store, {"place_order": place_order_job})
+            if on_event is not None:  # what the worker did, as the job's events say
+                job = result["pending"][0]["job"]
+                for event in store.events("order", job):
+                    await _called(on_event, {"job": {**event, "id": job}})
+            result = await run_agent(model, **options)
+        return result, fixtures
+
+
 class _Lookups(Fixtures):
     """Fixtures that answer with plain functions (the catalog's reads): each call recorded, as Fixtures records it."""
 
@@ -4186,7 +4499,7 @@ ATLAS = (
     ("repeat_limit", "north failed temporarily twice; a third identical read was refused",
      {"failures": {"north": ["temporary", "temporary"]}}),
     ("tool_exception", "north had an internal fault; its message is not kept", {"failures": {"north": ["bug"]}}),
-    # The later parts' statuses, and a run that resumed (PART 10, 11 and 13).
+    # The later parts' statuses, and runs that resumed (PART 10, 11, 13 and 15).
     ("superseded", "another process resumed the run while its reads ran: its next save was refused, nothing more "
                    "started", {"run": _taken_over, "drawn": False}),
     ("store_failed", "the store's disk was full as the first batch was admitted: no tool started",
@@ -4203,6 +4516,10 @@ ATLAS = (
      {"run": partial(_loaded_then, lambda catalog, granted: granted.discard("orders:read"))}),
     ("stale_definition", "orders_get was found and loaded, then raised to version 2: its call was refused",
      {"run": partial(_loaded_then, _raised_version)}),
+    ("awaiting_job", "the order was a job: the run submitted it, and paused without a lease until it ends",
+     {"run": partial(_order_job, finished=False)}),
+    ("job_done", "the order job was placed by a worker, and the run, called again, answered with its receipt",
+     {"run": _order_job}),
 )
 
 
@@ -4288,7 +4605,7 @@ class _Atlas(Part):
     commands = {"scenarios": ("one small run per stop status, and why it stopped", _atlas_options, _atlas_command)}
 
 
-# PART 15: the benchmark: what parallel batches and bounded waits buy, what the runtime costs, and the store's and the
+# PART 17: the benchmark: what parallel batches and bounded waits buy, what the runtime costs, and the store's and the
 # pool's figures
 
 BENCH_WAIT = 0.05  # seconds each tool waits in the parallel-efficiency batches
@@ -4687,7 +5004,7 @@ class _Bench(Part):
                           _bench_options, lambda args, parser: bench(args.quick, args.json))}
 
 
-# PART 16: see a run: its decisions and calls drawn on a time axis
+# PART 18: see a run: its decisions and calls drawn on a time axis
 
 # The colour of a bar in SVG, by how its lane ended (a decision's lane by its kind).
 _COLOURS = {"ok": "#2f9e44", "temporary": "#f08c00", "tool_error": "#f08c00", "tool_timeout": "#e8590c",
@@ -5104,7 +5421,7 @@ class _Drawings(Part):
         ("demo", COMMANDS["demo"], _drawn_demo), ("scenarios", _Atlas.commands["scenarios"], _drawn_scenario))}
 
 
-# PART 17: the executor chapter's demo: five tools, each attempt under its own limit, retries, a cap on calls in flight
+# PART 19: the executor chapter's demo: five tools, each attempt under its own limit, retries, a cap on calls in flight
 
 _KEY = _closed(key={"type": "string", "maxLength": 40})
 EXECUTOR_TOOLS = {  # the chapter's five; its single batch of five is two here: a batch that holds a write is serial
@@ -5217,7 +5534,7 @@ class _Executor(Part):
                              _drawing_options(lambda parser: None), _executor_command)}
 
 
-# PART 18: the large tool set chapter's numbers: 300 entries, found, loaded on demand, and the gate's five boundaries
+# PART 20: the large tool set chapter's numbers: 300 entries, found, loaded on demand, and the gate's five boundaries
 
 async def _catalog_run(catalog, grants, functions, before_the_call=lambda: None):
     """A run of the chapter's catalog, and the arguments of each time orders_get started."""
@@ -5291,7 +5608,7 @@ class _CatalogNumbers(Part):
                             lambda parser: None, lambda *_: catalog_numbers())}
 
 
-# PART 19: the long-running work chapter's experiments: a job's lifecycle, and the ways it fails, on a clock of its own
+# PART 21: the long-running work chapter's experiments: a job's lifecycle, and the ways it fails, on a clock of its own
 
 def _job_store(folder, now, **options):
     """A store in folder's jobs.db on the clock now[0], leases of 2 seconds."""
@@ -5315,28 +5632,28 @@ def jobs_lifecycle(folder):
     now = [0.0]
     store = _job_store(folder, now)
     receipt = store.submit("ana", "sales-2026-08", "export_report", {"month": "2026-08"})
-    print(f"  0  submit sales-2026-08: {_receipt_text(receipt)}, attempt {receipt['attempt']}")
     store.close()
-    store = _job_store(folder, now)
-    print(f"     the store closed and opened again: {_receipt_text(store.status('ana', receipt['id']))}")
+    store = _job_store(folder, now)  # closed and opened again: the receipt was given once the job was saved
+    print(f"  0  submit: {_receipt_text(receipt)}; the store closed and opened again: "
+          f"{_receipt_text(store.status('ana', receipt['id']))}")
     now[0] = 1
     job = store.claim_job()
-    print(f"  1  claimed: job {job['id']}, attempt {job['attempt']}, {job['kind']} {json.dumps(job['params'])}")
+    print(f"  1  claimed: attempt {job['attempt']}, {job['kind']} {json.dumps(job['params'])}")
     for done in (1, 2, 3):
         now[0] = 1 + done
         state = store.progress(job["id"], job["attempt"], done, 3)
         seen = store.status("ana", job["id"])
         print(f"  {now[0]:.0f}  progress {done}/3: {state}" + (
-            f"; a reader polls ({seen['state']}, {seen['done']}/{seen['total']}) and stops polling: it goes on"
+            f"; a reader polls ({seen['state']} {seen['done']}/{seen['total']}), then stops: the job goes on"
             if done == 1 else ""))
     now[0] = 5
     stored = store.finish(job["id"], job["attempt"], {"rows": 3, "total_cents": 6000})
     got = store.result("ana", job["id"])
-    print(f"  5  finished: {stored}; {_receipt_text(store.status('ana', job['id']))}, result "
-          f"{json.dumps(got['result'])}, fingerprint {got['fingerprint'][:12]}")
-    events = store.events("ana", job["id"])
-    print(f"     {len(events)} events: {', '.join(event['event'] for event in events)}; after=5: "
-          f"{[event['event'] for event in store.events('ana', job['id'], after=5)]}")
+    print(f"  5  finish: {stored}; {_receipt_text(store.status('ana', job['id']))} {json.dumps(got['result'])}, "
+          f"fingerprint {got['fingerprint'][:12]}")
+    events = [event["event"] for event in store.events("ana", job["id"])]
+    after = [event["event"] for event in store.events("ana", job["id"], after=5)]
+    print(f"     {len(events)} events ({', '.join(events)}); after=5: {', '.join(after)}")
     store.close()
 
 
@@ -5346,13 +5663,14 @@ def jobs_failures(folder):
     store = _job_store(folder, now)
     first = store.submit("ana", "sales-2026-08", "export_report", {"month": "2026-08"})
     again = store.submit("ana", "sales-2026-08", "export_report", {"month": "2026-08"})
-    print(f"  a repeated submit     the same job: {_receipt_text(again)} (first {first['id']})")
+    print(f"  repeated submit   the same {_receipt_text(again)}")
     try:
         store.submit("ana", "sales-2026-08", "export_report", {"month": "2026-09"})
     except JobError as refused:
-        print(f"  a key conflict        JobError {refused.code}: nothing changed, {_receipt_text(store.status('ana', 1))}")
+        print(f"  key conflict      JobError {refused.code}; {_receipt_text(store.status('ana', first['id']))}, "
+              "unchanged")
     other = store.submit("bob", "sales-2026-08", "export_report", {"month": "2026-08"})
-    print(f"  two owners, one key   two jobs: {first['id']} and {other['id']}; bob's status of job 1: "
+    print(f"  two owners        jobs {first['id']} and {other['id']}; bob's status of job 1: "
           f"{store.status('bob', first['id'])}")
     store.close()
 
@@ -5361,7 +5679,7 @@ def jobs_failures(folder):
         with tempfile.TemporaryDirectory() as place, _job_store(place, now) as a, _job_store(place, now) as b:
             job_id = a.submit("ana", "k", "export_report", {"month": "2026-08"}, **steps.get("submit", {}))["id"]
             said = steps["run"](a, b, job_id)
-            print(f"  {title:<21} {said}\n  {'':<21} then {_receipt_text(a.status('ana', job_id))}")
+            print(f"  {title:<17} {said}; {_receipt_text(a.status('ana', job_id))}")
 
     def late_worker(a, b, job_id):
         now[0] = 1
@@ -5372,26 +5690,25 @@ def jobs_failures(folder):
         late = _fenced_by(lambda: a.finish(job_id, first["attempt"], {"by": "A"}))
         kept = b.finish(job_id, second["attempt"], {"by": "B"})
         events = [event["event"] for event in a.events("ana", job_id)].count("succeeded")
-        return f"A claims at 1 (lease 2), B at 3; at 4 A's finish: {late}, B's: {kept}; {events} result"
+        return f"A claims at 1 (lease 2), B at 3; at 4 A's finish: {late}, B's: {kept}, {events} result"
 
     def lease_out(a, b, job_id):
         now[0] = 1
         job = a.claim_job()
         now[0] = 4
-        return f"A claims at 1, nobody else; at 4 A's finish: {_fenced_by(lambda: a.finish(job_id, job['attempt'], {}))}"
+        return f"A claims at 1; at 4 its finish: {_fenced_by(lambda: a.finish(job_id, job['attempt'], {}))}"
 
     def cancelled(a, b, job_id):
         now[0] = 1
         job = a.claim_job()
         asked = a.cancel("ana", job_id)["state"]
-        stored = a.finish(job_id, job["attempt"], {"rows": 3})
-        return f"asked while running: {asked}; the finish: {stored}, no result"
+        return f"asked: {asked}; the finish: {a.finish(job_id, job['attempt'], {'rows': 3})}, no result"
 
     def cancelled_late(a, b, job_id):
         now[0] = 1
         job = a.claim_job()
         a.finish(job_id, job["attempt"], {"rows": 3})
-        return f"asked after the finish: it stays {a.cancel('ana', job_id)['state']}"
+        return f"asked after the finish: {a.cancel('ana', job_id)['state']}, it stays"
 
     def deadline(a, b, job_id):
         now[0] = 1
@@ -5399,7 +5716,7 @@ def jobs_failures(folder):
         now[0] = 2
         a.progress(job_id, job["attempt"], 1, 3)
         now[0] = 3
-        return f"a deadline of 3; progress at 2, the finish at 3: {a.finish(job_id, job['attempt'], {'rows': 3})}"
+        return f"progress at 2, the finish at 3: {a.finish(job_id, job['attempt'], {'rows': 3})}"
 
     def retried(a, b, job_id):
         now[0] = 1
@@ -5412,25 +5729,45 @@ def jobs_failures(folder):
         job = a.claim_job()
         now[0] = 6
         last = a.fail(job_id, job["attempt"], "busy", retry_after=3)
-        return (f"failed at 2, retry after 3: {queued}; at 4: {early}; at 5 attempt {job['attempt']}; failed again: "
-                f"{last}")
+        return f"fail at 2: {queued}; claim at 4: {early}; at 5: attempt {job['attempt']}; fail: {last}"
 
-    case("a late worker fenced", {"run": late_worker})
-    case("a lease run out", {"run": lease_out})
-    case("a cancel, running", {"run": cancelled})
-    case("a cancel, too late", {"run": cancelled_late})
-    case("a deadline reached", {"run": deadline, "submit": {"deadline_seconds": 3}})
-    case("a retry, then none", {"run": retried})
+    case("late worker", {"run": late_worker})
+    case("lease run out", {"run": lease_out})
+    case("cancel, running", {"run": cancelled})
+    case("cancel, too late", {"run": cancelled_late})
+    case("deadline of 3", {"run": deadline, "submit": {"deadline_seconds": 3}})
+    case("retry after 3", {"run": retried})
+
+
+async def jobs_in_a_run():
+    """Print the atlas's job_done: the order submitted as a job, the run paused, a worker, the run called again."""
+    seen = []
+    result, _ = await run_scenario("job_done", seen.append)
+    paused = next(event for event in seen if event.get("status") == "awaiting_job")
+    (pending,) = paused["pending"]
+    work = [event["job"] for event in seen if "job" in event and len(event) == 1]
+    done = [event for event in seen if event.get("event") == "job"]
+    steps = [f"progress {event['done']}/{event['total']}" if event["event"] == "progress" else event["event"]
+             for event in work if event["event"] != "submitted"]
+    print(f"  run     rounds 1-{paused['rounds']}: reads, plan, the order submitted as job {pending['job']}; "
+          f"{paused['status']}, no lease held")
+    print(f"  worker  job {pending['job']}: {', '.join(steps)}")
+    print(f"  run     called again: job {done[0]['job']} {done[0]['state']}, {done[0]['call_id']} observes its "
+          f"result; round {result['used']['rounds']}: {result['status']}")
+    print(f"  answer  {json.dumps(result['answer'])}")
 
 
 async def jobs_chapter():
-    """Print the chapter's experiments: a job's lifecycle, then its failures, on a clock of their own."""
+    """Print the chapter's experiments: a job's lifecycle, then its failures, on a clock of their own; then a run
+    that waits for its job."""
     with tempfile.TemporaryDirectory() as folder:
-        print("a job's lifecycle, on a clock of its own (leases of 2):")
+        print("a job's lifecycle (a clock of its own, leases of 2):")
         jobs_lifecycle(folder)
     with tempfile.TemporaryDirectory() as folder:
         print("its failures, each its own outcome:")
         jobs_failures(folder)
+    print("a run that waits for its job (scenarios job_done):")
+    await jobs_in_a_run()
 
 
 class _JobsChapter(Part):
@@ -5438,6 +5775,72 @@ class _JobsChapter(Part):
 
     commands = {"jobs": ("a durable job's lifecycle and its failures, on a clock of its own", lambda parser: None,
                          lambda *_: jobs_chapter())}
+
+
+# PART 22: see a store: its runs and jobs, a line each, and a run's events as they are saved
+
+def _until(holder, until, now):
+    """Who holds a lease and until when, for a person: "-" if nobody does."""
+    if holder is None or until is None:
+        return "-"
+    return f"{holder[:8]} until {time.strftime('%H:%M:%S', time.localtime(until))}" + (
+        " (run out)" if until <= now else "")
+
+
+def _run_line(run, now):
+    used = run["used"] or _NOTHING_USED
+    state = run["status"] or ("waiting" if run["waits"] else "held" if run["holder"] and run["until"] > now else
+                              "queued" if used == _NOTHING_USED else "free")
+    waits = run["waits"] and f"waits: {run['waits']}" + (f" ({run['why']})" if run["why"] else "")
+    return (f"run {run['run_id']:<16} {state:<18} generation {run['generation']:<3} round {used['rounds']}, "
+            f"{used['calls']} calls, {used['credits']} credits  {_until(run['holder'], run['until'], now)}"
+            + (f"  {waits}" if waits else "") + (f"  cancel asked by {run['cancel']}" if run["cancel"] else ""))
+
+
+def _job_line(job, now):
+    return (f"job {job['id']:<16} {job['state']:<18} attempt {job['attempt']:<5} {job['done']}/{job['total']}  "
+            f"{_until(job['holder'], job['until'], now)}  {job['owner']}: {job['kind']}"
+            + (f"  ({job['error']})" if job["error"] else ""))
+
+
+async def see_store(path, follow=None):
+    """Print a SQLite store's runs and jobs, a line each; or, following a run, each of its events as it is saved,
+    until it ends (a pause is no end: it goes on once the run does)."""
+    with SqliteStore(path) as store:
+        if follow is None:
+            seen, now = await _off_the_loop(store, store.overview), time.time()
+            print("\n".join([_run_line(run, now) for run in seen["runs"]] + [_job_line(job, now) for job in seen["jobs"]]
+                            or ["(an empty store)"]))
+            return
+        after, pauses = 0, ("awaiting_approval", "unknown_outcome", *_declared("pauses"))
+        while True:
+            for event in await _off_the_loop(store, store.trace, follow, after):
+                after = event.pop("seq")
+                print(json.dumps(event, ensure_ascii=False), flush=True)
+                if event["event"] == "stop" and event.get("status") not in pauses:
+                    return
+            await asyncio.sleep(0.1)
+
+
+def _store_options(parser):
+    parser.add_argument("path", metavar="PATH", help="the SQLite file of the store")
+    parser.add_argument("--follow", metavar="RUN_ID", help="print the run's events as they are saved, until it ends")
+
+
+async def _store_command(args, parser):
+    if not os.path.isfile(args.path):
+        parser.error(f"{args.path}: no such file")
+    try:
+        await see_store(args.path, args.follow)
+    except ValueError as refused:
+        parser.error(str(refused))
+
+
+class _SeeStore(Part):
+    """See a store, as the core reads it: its command."""
+
+    commands = {"store": ("a SQLite store's runs and jobs, a line each; --follow RUN_ID: its events as saved",
+                          _store_options, _store_command)}
 
 
 if __name__ == "__main__":

@@ -147,6 +147,15 @@ def readme_section(title):
     return text[heading.start():end.start() if end else len(text)]
 
 
+def read_file(path):
+    """The text of the file at path, or "" if there is none yet."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    except FileNotFoundError:
+        return ""
+
+
 def code_blocks(text, language):
     return re.findall(rf"```{language}\n(.*?)```", text, re.S)
 
@@ -2967,7 +2976,8 @@ def cut_module(folder, end=CORE_END):
 
 # The classes of the runtime's later parts (PART 6-13), that the module cut at the banner runs as the whole does.
 RUNTIME_TESTS = ("FunctionToolsTests", "ObservedRefusalTests", "ProviderBridgeTests", "McpTests", "SavedRunTests",
-                 "WriteTests", "LeaseTests", "SqliteLeaseTests", "JobTests", "AttemptTests", "CatalogTests")
+                 "WriteTests", "LeaseTests", "SqliteLeaseTests", "JobTests", "JobRunTests", "AttemptTests",
+                 "CatalogTests")
 ALONE = {}  # the runs of a cut file's tests, by name: started when the whole suite loads, as they are slow
 
 
@@ -3050,7 +3060,7 @@ class LaterPartsTests(unittest.TestCase):
         self.assertEqual((every[:len(STATUSES)], len(set(every))), (STOP_STATUSES, len(every)))
         self.assertIn("superseded", every[len(STATUSES):])
         self.assertEqual(list(agent_loop.COMMANDS), ["demo"])
-        self.assertEqual(list(agent_loop.every_command()), ["demo", "scenarios", "bench", "executor", "catalog", "jobs"])
+        self.assertEqual(list(agent_loop.every_command()), ["demo", "scenarios", "bench", "executor", "catalog", "jobs", "store"])
         self.assertIs(agent_loop.every_command()["demo"][2], agent_loop._drawn_demo)  # the timeline's draws its runs
 
 
@@ -6851,9 +6861,12 @@ class JobTests(LeaseCase):
 
     def test_what_a_job_must_be_is_a_value_error(self):
         store, _ = self.clocked()
-        cases = [(("", "k", "x", {}), "owner must be a string of 1 to 80 characters"),
-                 (("a", "k" * 81, "x", {}), "action_key must be a string of 1 to 80 characters"),
-                 (("a", "k", None, {}), "kind must be a string of 1 to 80 characters"),
+        cases = [(("", "k", "x", {}), "owner must be a string of 1 to 80 printable characters"),
+                 (("a", "k" * 81, "x", {}), "action_key must be a string of 1 to 80 printable characters"),
+                 (("a", "k", None, {}), "kind must be a string of 1 to 80 printable characters"),
+                 (("a\x00", "k", "x", {}), "owner must be a string of 1 to 80 printable characters"),
+                 (("a", "k\n", "x", {}), "action_key must be a string of 1 to 80 printable characters"),
+                 (("a", "k", "x", {}, None, 2**31), "max_attempts must be an int >= 1"),
                  (("a", "k", "x", {"n": float("inf")}), "params must be plain JSON data"),
                  (("a", "k", "x", {}, 0), "deadline_seconds must be a finite number > 0, or None"),
                  (("a", "k", "x", {}, None, 0), "max_attempts must be an int >= 1")]
@@ -6941,6 +6954,114 @@ class JobTests(LeaseCase):
                 asyncio.run(agent_loop.work_jobs(*args))
             self.assertEqual(str(refused.exception), message)
 
+    def test_numbers_and_names_the_database_cannot_hold_are_refused_or_answered_none(self):
+        store, now = self.clocked()
+        store.submit("ana", "k", "export", {})
+        now[0] = 1
+        job = store.claim_job()
+        for job_id in (2**64, -1, 0):
+            self.assertEqual((store.status("ana", job_id), store.events("ana", job_id)), (None, None))
+        self.assertEqual(store.events("ana", 1, after=2**64), [])
+        self.assertEqual(len(store.events("ana", 1, after=-2**64)), 2)
+        self.assertEqual(store.status(1, 1), None)  # an owner is a string: 1 is nobody's
+        for call in (lambda: store.progress(1, job["attempt"], 2**31, 2**31), lambda: store.claim_job(["a\x00"]),
+                     lambda: store.fail(1, job["attempt"], "x\x00"), lambda: store.fail(1, job["attempt"], "x",
+                                                                                        retry_after=10**400)):
+            with self.assertRaises(ValueError):
+                call()
+        self.assertEqual(store.status("ana", 1)["state"], "running")  # nothing changed
+
+    def test_a_clock_that_is_not_a_number_is_refused_not_stored(self):
+        now = [0.0]
+        store = self.store(lease_seconds=2, clock=lambda: now[0])
+        store.submit("ana", "k", "export", {})
+        now[0] = math.nan
+        with self.assertRaises(ValueError) as refused:
+            store.claim_job()
+        self.assertEqual(str(refused.exception), "the store's clock gave no finite number of seconds")
+        now[0] = 1.0
+        self.assertEqual(store.claim_job()["attempt"], 1)  # nothing was claimed with a NaN lease
+
+    async def test_a_function_that_raises_anything_on_its_call_or_its_await_fails_its_job_by_class(self):
+        async def strict(x, progress):
+            return {"x": x}
+
+        async def cancels_itself(progress):
+            raise asyncio.CancelledError
+
+        async def exits(progress):
+            raise SystemExit(3)
+
+        def plain(x, progress):
+            return {"x": x}
+
+        async def later(progress):
+            raise agent_loop.RetryLater(10**400)
+
+        store = self.store(lease_seconds=5)
+        cases = (("strict", {"y": 1}, "TypeError"), ("strict", {"x": 1, "progress": 5}, "TypeError"),
+                 ("plain", {"x": 1, "progress": 5}, "TypeError"), ("cancels_itself", {}, "CancelledError"),
+                 ("exits", {}, "SystemExit"), ("later", {}, "RetryLater"))
+        for n, (kind, params, _) in enumerate(cases):
+            store.submit("ana", f"k{n}", kind, params, max_attempts=1)
+        functions = {"strict": strict, "cancels_itself": cancels_itself, "exits": exits, "plain": plain,
+                     "later": later}
+        self.assertEqual(await agent_loop.work_jobs(store, functions), len(cases))
+        self.assertEqual([(store.status("ana", n + 1)["state"], store.status("ana", n + 1)["error"])
+                          for n in range(len(cases))], [("failed", error) for *_, error in cases])
+
+    async def test_a_worker_waits_out_a_busy_database_to_finish_its_job(self):
+        store = self.impatient(lease_seconds=5)
+        store.submit("ana", "k", "quick", {})
+        held = threading.Event()
+
+        def hold():  # another connection holds the database (SQLite) or the job's row (PostgreSQL) for a second
+            db = self.connect()
+            cursor = db.cursor()
+            cursor.execute("BEGIN IMMEDIATE" if self.kind() == "sqlite" else "BEGIN")
+            if self.kind() != "sqlite":
+                cursor.execute("SELECT * FROM agent_loop_jobs WHERE id = 1 FOR UPDATE")
+            held.set()
+            time.sleep(1.0)
+            cursor.execute("COMMIT")
+            db.close()
+
+        holder = threading.Thread(target=hold)
+
+        def quick(progress):  # it ends while the other connection holds what its finish needs
+            holder.start()
+            held.wait(30)
+            return {"done": True}
+
+        worked = await agent_loop.work_jobs(store, {"quick": quick})
+        holder.join(30)
+        self.assertEqual((worked, store.result("ana", 1)["result"]), (1, {"done": True}))
+
+    def impatient(self, **options):
+        """A store whose SQLite connection waits 0.1 s for a lock (PostgreSQL's statements wait _LOCK_WAIT)."""
+        connect = (lambda: sqlite3.connect(self.where, isolation_level=None, timeout=0.1, check_same_thread=False)) \
+            if self.kind() == "sqlite" else self.connect
+        store = agent_loop.SqlStore(connect, **options)
+        self.addCleanup(store.close)
+        return store
+
+    async def test_a_worker_frozen_inside_a_job_transaction_holds_it_a_lease_on_postgresql_and_the_lock_on_sqlite(self):
+        store = self.impatient(lease_seconds=JOB_LEASE)
+        store.submit("ana", "k", "export", {})
+        ready = os.path.join(self.folder, "frozen")
+        worker = subprocess.Popen(child_command("frozen_job_worker", self.kind(), self.where, ready),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.addCleanup(worker.wait, 60)
+        self.addCleanup(worker.kill)
+        await wait_until(lambda: os.path.exists(ready), 60)
+        os.kill(worker.pid, signal.SIGSTOP)  # inside its progress's transaction: the job's row, or SQLite's lock
+        await asyncio.sleep(JOB_LEASE + agent_loop._STALLED + 0.5)
+        claimed = await asyncio.to_thread(store.claim_job)
+        if self.kind() == "sqlite":  # one lock, which no live process can take: nobody gets the job, nobody hangs
+            self.assertIsNone(claimed)
+        else:  # its session ended once its lease ran out: the job is another worker's
+            self.assertEqual((claimed["id"], claimed["attempt"]), (1, 2))
+
     def crashed_worker(self, stop):
         """A worker process that claims job 1 and, one step in, writes ready and stops there: killed (SIGKILL), or
         stopped (SIGSTOP) and returned, to be woken."""
@@ -6995,6 +7116,235 @@ def quick_export(month, progress):
 
 class PostgresJobTests(OnPostgres, JobTests):
     """The job tests on a PostgreSQL server of their own."""
+
+
+# PART 15: a run that waits for its jobs without holding a process; runs cancelled and followed from anywhere
+
+class JobRunTests(LeaseCase):
+    """PART 15 and PART 11: job tools in a named run, awaiting_job and going on; a run cancelled and followed from
+    another process; a run that kills its workers set aside; here on SQLite (PostgresJobRunTests: PostgreSQL)."""
+
+    def run_options(self, store, run_id="order", **options):
+        return dict(registry=agent_loop.JOB_ORDER_TOOLS, accept=agent_loop.receipt_accepted,
+                    fixtures=Fixtures(delays={}), store=store, run_id=run_id, limits=ROOMY, **options)
+
+    def asked(self):
+        """receipt_model, counting the decisions it makes."""
+        count = []
+
+        async def model(history):
+            count.append(len(history))
+            return await agent_loop.receipt_model(history)
+
+        return model, count
+
+    async def test_a_job_tool_needs_a_store_that_keeps_jobs(self):
+        registry = agent_loop.JOB_ORDER_TOOLS
+        await self.assertRefusedBeforeTheModelIsAsked(
+            "place_order: a job tool needs a store: run_agent(..., store=..., run_id=...)", registry=registry,
+            accept=agent_loop.receipt_accepted, fixtures=Fixtures(delays={}))
+
+        class Runs(agent_loop.Store):  # a store of named runs that keeps no jobs
+            load = claim = claimed = save = unfinished = lambda self, *args: None
+
+        await self.assertRefusedBeforeTheModelIsAsked(
+            "place_order: a job tool needs a store that keeps jobs, such as a SqlStore", registry=registry,
+            accept=agent_loop.receipt_accepted, fixtures=Fixtures(delays={}), store=Runs(), run_id="r")
+
+    async def test_a_job_call_submits_its_job_and_the_run_pauses_holding_no_lease(self):
+        store = self.store()
+        result = await run_agent(agent_loop.receipt_model, approve=lambda write: "approve", **self.run_options(store))
+        (pending,) = result["pending"]
+        self.assertEqual((result["status"], pending["call_id"], pending["name"], pending["job"]),
+                         ("awaiting_job", "r3-order", "place_order", 1))
+        self.assertEqual(pending["arguments"], {"items": PLAN["items"]})
+        self.assertEqual(result["used"], {"rounds": 3, "calls": 4, "credits": 20})  # the job's call charged as one
+        (run,) = store.overview()["runs"]
+        self.assertEqual((run["holder"], run["until"], run["waits"]), (None, None, "awaiting_job"))
+        self.assertEqual(store.status("order", 1)["state"], "queued")  # its owner: the run
+        job = store.claim_job()
+        self.assertEqual((job["kind"], job["params"]), ("place_order", {"items": PLAN["items"]}))
+        key = agent_loop.idempotency_key("order", "r3-order", store.store_id)
+        self.assertEqual(store.submit("order", key, "place_order", {"items": PLAN["items"]})["id"], 1)  # its key
+
+    async def test_a_write_job_is_approved_before_its_job_is_submitted(self):
+        store = self.store()
+        result = await run_agent(agent_loop.receipt_model, approve=lambda write: "ask", **self.run_options(store))
+        self.assertEqual((result["status"], store.overview()["jobs"]), ("awaiting_approval", []))
+        result = await run_agent(agent_loop.receipt_model, approvals={"r3-order": "approve"}, **self.run_options(store))
+        self.assertEqual((result["status"], len(store.overview()["jobs"])), ("awaiting_job", 1))
+
+    async def test_the_run_asks_the_model_nothing_until_every_job_has_ended_then_goes_on_with_its_result(self):
+        store = self.store()
+        model, asked = self.asked()
+        await run_agent(model, approve=lambda write: "approve", **self.run_options(store))
+        self.assertIsNone(store.claim_next())  # waiting on its job: no worker gets it
+        again = await run_agent(model, **self.run_options(store))
+        self.assertEqual((again["status"], again["used"], len(asked)), ("awaiting_job", {"rounds": 3, "calls": 4,
+                                                                                          "credits": 20}, 3))
+        self.assertEqual(await agent_loop.work_jobs(store, {"place_order": agent_loop.place_order_job}), 1)
+        self.assertEqual(store.claim_next(), "order")  # its jobs have ended: a worker may go on with it
+        done = await run_agent(model, **self.run_options(store))
+        receipt = {"order": "PO-1", "lines": 3, "total_cents": 21900}
+        self.assertEqual((done["status"], done["answer"], len(asked)), ("completed", receipt, 4))
+        order = done["history"][2]["observations"][0]
+        self.assertEqual((order["ok"], order["data"], order["job"]), (True, receipt, 1))
+        self.assertEqual(len(store.overview()["jobs"]), 1)  # submitted once, whatever the resumes
+
+    async def test_a_job_that_failed_or_was_cancelled_is_a_retryable_observation(self):
+        for ending, error in (("failed", "job_failed"), ("cancelled", "job_cancelled")):
+            with self.subTest(ending=ending):
+                store = self.store()
+                model = scripted(calls(call("r1-order", "place_order", items=PLAN["items"])), final("done"))
+                options = {**self.run_options(store, ending), "accept": any_answer}
+                paused = await run_agent(model, approve=lambda write: "approve", **options)
+                job_id = paused["pending"][0]["job"]
+                if ending == "failed":
+                    job = store.claim_job()
+                    store.fail(job["id"], job["attempt"], "out_of_stock")
+                else:
+                    store.cancel(ending, job_id)
+                result = await run_agent(model, **options)
+                (obs,) = observations(result)
+                self.assertEqual((result["status"], obs["error"], obs["retryable"], obs.get("reason")),
+                                 ("completed", error, True, "out_of_stock" if ending == "failed" else None))
+
+    async def test_the_time_paused_is_none_of_the_runs_and_each_job_has_the_runs_job_seconds(self):
+        now = [time.time()]
+        store = self.store(clock=lambda: now[0])
+        limits = Limits(total_seconds=0.5, tool_seconds=0.2, job_seconds=60)
+        options = {**self.run_options(store), "limits": limits}
+        await run_agent(agent_loop.receipt_model, approve=lambda write: "approve", **options)
+        await asyncio.sleep(0.6)  # longer than the run may take: paused, it is no time of the run's
+        now[0] += 61  # and past the job's deadline, on the store's clock
+        self.assertIsNone(store.claim_job())
+        self.assertEqual(store.status("order", 1)["error"], "deadline_exceeded")
+        result = await run_agent(agent_loop.receipt_model, **options)  # not past its deadline: it goes on
+        failed = observations(result)[3]
+        self.assertEqual((failed["error"], failed["reason"]), ("job_failed", "deadline_exceeded"))
+        self.assertEqual((result["status"], result["pending"][0]["call_id"]), ("awaiting_approval", "r4-order"))
+
+    async def test_a_run_killed_right_after_submitting_its_job_resumes_without_a_second_job(self):
+        ready = os.path.join(self.folder, "submitted")
+        run_in_a_process("job_run", self.kind(), self.where, ready, kill_when=ready)
+        store = self.store()
+        self.assertEqual(len(store.overview()["jobs"]), 1)  # its submit committed; its observation was never saved
+        options = self.run_options(store)
+        paused = await run_agent(agent_loop.receipt_model, **options)
+        self.assertEqual((paused["status"], paused["pending"][0]["job"]), ("awaiting_job", 1))
+        self.assertEqual(errors(paused)[-1], "awaiting_job")
+        await agent_loop.work_jobs(store, {"place_order": agent_loop.place_order_job})
+        done = await run_agent(agent_loop.receipt_model, **options)
+        self.assertEqual((done["status"], len(store.overview()["jobs"])), ("completed", 1))
+        self.assertEqual(done["used"]["calls"], 4)  # the cut call charged once
+
+    async def test_a_run_no_lease_holds_is_cancelled_at_once_and_its_jobs_are_asked_to_cancel(self):
+        store = self.store()
+        await run_agent(agent_loop.receipt_model, approve=lambda write: "approve", **self.run_options(store))
+        store.add("queued")
+        self.assertEqual(store.cancel_run("order", by="ops"), "cancelled")
+        self.assertEqual(store.cancel_run("queued"), "cancelled")
+        self.assertEqual(store.status("order", 1)["state"], "cancelled")
+        model, asked = self.asked()
+        result = await run_agent(model, **self.run_options(store))  # its stored result: nothing asked
+        self.assertEqual((result["status"], result["trace"][-1]["by"], asked), ("cancelled", "ops", []))
+        queued = await run_agent(model, **{**self.run_options(store), "run_id": "queued"})
+        self.assertEqual((queued["status"], queued["trace"][-1]["by"], asked), ("cancelled", "cancel_run", []))
+        self.assertEqual((store.cancel_run("order"), store.cancel_run("nobody")), ("cancelled", None))
+        done = await run_agent(**{**self.run_options(self.store()), "run_id": "done", "registry": TOOLS,
+                                  "accept": accepted})
+        self.assertEqual((done["status"], store.cancel_run("done")), ("completed", "completed"))  # left as it was
+
+    async def test_a_cancel_from_another_process_stops_a_running_run_at_its_next_save(self):
+        log = os.path.join(self.folder, "slow.log")
+        worker = subprocess.Popen(child_command("slow_run", self.kind(), self.where, log), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+        self.addCleanup(worker.kill)
+        await wait_until(lambda: "r2-plan" in read_file(log), 60)  # its plan runs
+        canceller = subprocess.run(child_command("cancel_run", self.kind(), self.where, "slow", "ops"),
+                                   capture_output=True, text=True, timeout=60)
+        self.assertEqual(json.loads(canceller.stdout), "cancel_requested")
+        out, _ = worker.communicate(timeout=60)
+        result = json.loads(out.splitlines()[-1])
+        self.assertEqual((result["status"], result["trace"][-1]["by"]), ("cancelled", "ops"))
+        self.assertEqual(result["used"]["rounds"], 2)  # at its next save, once the plan it was running was observed
+        self.assertEqual(self.store().load("slow")["status"], "cancelled")
+
+    async def test_a_follower_in_another_process_sees_every_event_once_in_order(self):
+        store = self.store()
+        store.add("followed")
+        follower = subprocess.Popen(child_command("follow", self.kind(), self.where, "followed"),
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.addCleanup(follower.kill)
+        slow = Fixtures(delays={"north": 0.05, "south": 0.05, "compute_plan": 0.05})
+        result = await run_agent(store=store, run_id="followed", fixtures=slow, limits=ROOMY)
+        out, _ = follower.communicate(timeout=60)
+        seen = [json.loads(line) for line in out.splitlines()]
+        self.assertEqual([event["seq"] for event in seen], list(range(1, len(result["trace"]) + 1)))
+        self.assertEqual([{k: v for k, v in event.items() if k != "seq"} for event in seen], result["trace"])
+        self.assertEqual(store.trace("followed", 3), [{"seq": n, **event} for n, event in
+                                                     enumerate(result["trace"][3:], 4)])
+
+    def test_a_run_whose_workers_die_every_time_is_handed_out_max_claims_times_then_set_aside(self):
+        now = [0.0]
+        store = self.store(lease_seconds=1, clock=lambda: now[0], max_claims=3)
+        store.add("a-poison")
+        store.add("b-fine")
+        handed = []
+        for _ in range(6):
+            handed.append(store.claim_next())
+            now[0] += 2  # its worker died with it: the lease runs out
+        self.assertEqual(handed, ["a-poison"] * 3 + ["b-fine"] * 3)
+        (poison, fine) = store.overview()["runs"]
+        self.assertEqual((poison["waits"], poison["why"]), ("aside", "handed out 3 times in a row, its lease ran out "
+                                                                     "each time"))
+        store.add("other")
+        self.assertEqual(store.claim_next(), "other")
+        store.release("other", 1)  # a claim that ended otherwise starts the count again
+        for _ in range(3):
+            self.assertEqual(store.claim_next(), "other")
+            now[0] += 2
+        self.assertIsNone(store.claim_next())
+
+    def test_a_pool_of_run_workers_and_job_workers_one_of_each_killed_ends_every_run_once_each_job_once(self):
+        queue = self.store()
+        runs = [f"run-{n:02}" for n in range(20)]
+        for run_id in runs:
+            queue.add(run_id)
+        logs, workers = {}, {}
+        for name, role in (("runs-victim", "runs"), ("runs-1", "runs"), ("runs-2", "runs"), ("jobs-victim", "jobs"),
+                           ("jobs-1", "jobs")):
+            logs[name] = open(os.path.join(self.folder, f"{name}.log"), "w+")
+            self.addCleanup(logs[name].close)
+            workers[name] = subprocess.Popen(child_command("job_pool_worker", self.kind(), self.where, name, role),
+                                             stdout=logs[name], stderr=subprocess.STDOUT)
+            self.addCleanup(workers[name].kill)
+
+        def lines(name):
+            logs[name].seek(0)
+            return [json.loads(line) for line in logs[name].read().splitlines() if line.startswith("{")]
+
+        end = time.monotonic() + 90
+        for victim, mark in (("runs-victim", "claimed"), ("jobs-victim", "working")):
+            while len([line for line in lines(victim) if mark in line]) < 2:
+                self.assertLess(time.monotonic(), end, lines(victim))
+                time.sleep(0.01)
+            workers[victim].kill()  # SIGKILL, mid-run or mid-job
+        for name in ("runs-1", "runs-2", "jobs-1"):
+            self.assertEqual(workers[name].wait(timeout=120), 0, lines(name))
+        jobs = queue.overview()["jobs"]
+        self.assertEqual(sorted(job["owner"] for job in jobs), runs)  # one job per call
+        for run_id in runs:
+            saved = queue.load(run_id)
+            (job,) = [job for job in jobs if job["owner"] == run_id]
+            self.assertEqual((saved["status"], job["state"]), ("completed", "succeeded"), run_id)
+            self.assertEqual(saved["answer"], queue.result(run_id, job["id"])["result"])
+            self.assertEqual([event["event"] for event in queue.events(run_id, job["id"])].count("succeeded"), 1)
+            self.assertEqual([event.get("status") for event in saved["trace"]].count("completed"), 1)
+
+
+class PostgresJobRunTests(OnPostgres, JobRunTests):
+    """The tests of runs that wait for jobs, cancelled and followed, on a PostgreSQL server of their own."""
 
 
 # PART 12: a call's attempts: reads tried again unseen by the model, a tool's own time limit, a cap on calls in
@@ -7766,7 +8116,7 @@ class StandaloneRuntimeTests(unittest.TestCase):
 # ======================================================================================================================
 
 
-# PART 14: the scenario atlas: one small, deterministic run per stop status
+# PART 16: the scenario atlas: one small, deterministic run per stop status
 
 ATLAS_EXPECTED = {  # name: (rounds, calls, credits, observation errors in order)
     "completed": (3, 3, 17, []),
@@ -7846,7 +8196,7 @@ WHY = {  # each atlas scenario's stop event, beyond event, status and used: why,
 
 
 class AtlasTests(RuntimeTestCase):
-    """PART 14: the scenario atlas: one run per stop status, its stop event, its table, its JSON and its command line."""
+    """PART 16: the scenario atlas: one run per stop status, its stop event, its table, its JSON and its command line."""
 
     def test_every_stop_status_has_a_scenario_of_that_name_the_contracts_first(self):
         self.assertEqual(list(STOP_STATUSES[:len(STATUSES)]), STATUSES)  # later parts add theirs after
@@ -7931,6 +8281,21 @@ class AtlasTests(RuntimeTestCase):
                                  (name, {"rounds": 3, "calls": 2, "credits": 11}, []))
                 self.assertEqual((result["trace"][-1]["call_id"], result["trace"][-1]["name"]), ("r3-order", "orders_get"))
 
+    async def test_the_atlas_shows_the_order_as_a_job_the_run_paused_then_answered_with_its_receipt(self):
+        paused, fixtures = await agent_loop.run_scenario("awaiting_job")
+        self.assertEqual((paused["status"], paused["used"], [item["job"] for item in paused["pending"]]),
+                         ("awaiting_job", {"rounds": 3, "calls": 4, "credits": 20}, [1]))
+        self.assertNotIn("r3-order", fixtures.started)  # the order is the job's: no tool of the run placed it
+        seen = []
+        done, _ = await agent_loop.run_scenario("job_done", seen.append)
+        self.assertEqual((done["status"], done["answer"]), ("completed", {"order": "PO-1", "lines": 3,
+                                                                           "total_cents": 21900}))
+        worker = [event["job"]["event"] for event in seen if "job" in event and len(event) == 1]
+        self.assertEqual(worker, ["submitted", "claimed", "progress", "progress", "progress", "succeeded"])
+        steps = [event.get("status") or event["event"] for event in seen if len(event) > 1]
+        self.assertEqual(steps[steps.index("awaiting_job"):],
+                         ["awaiting_job", "resumed", "job", "decision", "completed"])
+
     def test_every_status_of_the_module_has_a_scenario(self):
         self.assertLessEqual(set(agent_loop.every_status()), {name for name, _, _ in agent_loop.ATLAS})
 
@@ -7954,14 +8319,14 @@ class AtlasTests(RuntimeTestCase):
                 self.assertNoPrivateText(result)
 
 
-# PART 15: the benchmark: what parallel batches and bounded waits buy, and what the runtime costs
+# PART 17: the benchmark: what parallel batches and bounded waits buy, and what the runtime costs
 
 class BenchTests(unittest.TestCase):
-    """PART 15: the benchmark: its figures are checked for sanity, never for speed."""
+    """PART 17: the benchmark: its figures are checked for sanity, never for speed."""
 
     def test_help_lists_the_commands_of_the_whole_module(self):
         done = run_command("--help")
-        self.assertEqual((done.returncode, list(agent_loop.every_command())), (0, ["demo", "scenarios", "bench", "executor", "catalog", "jobs"]))
+        self.assertEqual((done.returncode, list(agent_loop.every_command())), (0, ["demo", "scenarios", "bench", "executor", "catalog", "jobs", "store"]))
         for command in agent_loop.every_command():
             self.assertIn(f"    {command} ", done.stdout)
 
@@ -8031,7 +8396,7 @@ class BenchTests(unittest.TestCase):
         self.assertEqual(sorted(figures["10"]), ["copy_ms", "round_ms"])
 
 
-# PART 16: see a run: its decisions and calls drawn on a time axis
+# PART 18: see a run: its decisions and calls drawn on a time axis
 
 def bars(drawing, label=30):
     """{lane label: (first column, last column, outcome)} of a text drawing's calls ('.' for one that never ran)."""
@@ -8054,7 +8419,7 @@ READ = {"type": "object", "properties": {"sku": {"type": "string"}}, "required":
 
 
 class TimelineTests(RuntimeTestCase):
-    """PART 16: a run drawn on a time axis: lanes, bars and outcomes, the SVG, and the drawings of the command line."""
+    """PART 18: a run drawn on a time axis: lanes, bars and outcomes, the SVG, and the drawings of the command line."""
 
     async def drawn(self, fixtures, **options):
         timeline = agent_loop.Timeline()
@@ -8313,7 +8678,7 @@ class TimelineTests(RuntimeTestCase):
         self.assertTrue(accented.startswith("  cafe\u0301 读取库存" + " " * (28 - 13)))
 
 class TimelineRecorderTests(RuntimeTestCase):
-    """PART 16: a Timeline records a run without changing it, draws only a run it saw whole, and marks only limits that cut."""
+    """PART 18: a Timeline records a run without changing it, draws only a run it saw whole, and marks only limits that cut."""
 
     async def test_a_timeline_that_recorded_another_runs_calls_or_decisions_draws_neither(self):
         for why in ("calls", "decisions"):
@@ -8557,10 +8922,10 @@ class TimelineRecorderTests(RuntimeTestCase):
                 self.assertTrue(timeline.text(result).splitlines()[-1].startswith("completed: "))
 
 
-# PART 17: the executor chapter's demo
+# PART 19: the executor chapter's demo
 
 class ExecutorTests(RuntimeTestCase):
-    """PART 17: the chapter's five tools: four reads in flight at once, each under its own limit or retries, then a
+    """PART 19: the chapter's five tools: four reads in flight at once, each under its own limit or retries, then a
     write that fails once and never runs again."""
 
     async def test_the_reads_run_at_once_each_as_its_tool_says_and_the_write_runs_once(self):
@@ -8591,10 +8956,10 @@ class ExecutorTests(RuntimeTestCase):
 
 
 
-# PART 18: the large tool set chapter's numbers
+# PART 20: the large tool set chapter's numbers
 
 class CatalogNumbersTests(unittest.TestCase):
-    """PART 18: the chapter's 300 entries, what is found, loaded and sent, and the five boundaries, one command."""
+    """PART 20: the chapter's 300 entries, what is found, loaded and sent, and the five boundaries, one command."""
 
     def test_the_command_prints_the_chapters_numbers_and_the_readme_shows_them(self):
         done = run_command("catalog")
@@ -8630,32 +8995,58 @@ class CatalogNumbersTests(unittest.TestCase):
         self.assertEqual(figures, sent)
 
 
-# PART 19: the long-running work chapter's experiments
+# PART 21: the long-running work chapter's experiments
 
 class JobsChapterTests(unittest.TestCase):
-    """PART 19: a job's lifecycle and its failures, on a clock of their own, one command, as the README shows it."""
+    """PART 21: a job's lifecycle and its failures, on a clock of their own, one command, as the README shows it."""
 
     def test_the_command_prints_the_chapters_outcomes_and_the_readme_shows_them(self):
         done = run_command("jobs")
         self.assertEqual((done.returncode, done.stderr), (0, ""))
         lines = done.stdout.splitlines()
-        for expected in ("     the store closed and opened again: job 1 queued",
-                         "  2  progress 1/3: running; a reader polls (running, 1/3) and stops polling: it goes on",
-                         "     6 events: submitted, claimed, progress, progress, progress, succeeded; after=5: "
-                         "['succeeded']",
-                         "  a key conflict        JobError key_conflict: nothing changed, job 1 queued",
-                         "  a late worker fenced  A claims at 1 (lease 2), B at 3; at 4 A's finish: Superseded stale, "
-                         "B's: True; 1 result",
-                         "  a lease run out       A claims at 1, nobody else; at 4 A's finish: Superseded lease_expired",
-                         "                        then job 1 failed (deadline_exceeded)",
-                         "  a retry, then none    failed at 2, retry after 3: queued; at 4: None; at 5 attempt 2; "
-                         "failed again: failed"):
+        for expected in ("  0  submit: job 1 queued; the store closed and opened again: job 1 queued",
+                         "  1  claimed: attempt 1, export_report {\"month\": \"2026-08\"}",
+                         "  2  progress 1/3: running; a reader polls (running 1/3), then stops: the job goes on",
+                         "     6 events (submitted, claimed, progress, progress, progress, succeeded); after=5: succeeded",
+                         "  key conflict      JobError key_conflict; job 1 queued, unchanged",
+                         "  two owners        jobs 1 and 2; bob's status of job 1: None",
+                         "  late worker       A claims at 1 (lease 2), B at 3; at 4 A's finish: Superseded stale, B's: "
+                         "True, 1 result; job 1 succeeded",
+                         "  lease run out     A claims at 1; at 4 its finish: Superseded lease_expired; job 1 running",
+                         "  cancel, running   asked: cancel_requested; the finish: False, no result; job 1 cancelled",
+                         "  deadline of 3     progress at 2, the finish at 3: False; job 1 failed (deadline_exceeded)",
+                         "  retry after 3     fail at 2: queued; claim at 4: None; at 5: attempt 2; fail: failed; job 1 "
+                         "failed (busy)",
+                         "  run     rounds 1-3: reads, plan, the order submitted as job 1; awaiting_job, no lease held",
+                         "  worker  job 1: claimed, progress 1/3, progress 2/3, progress 3/3, succeeded",
+                         "  run     called again: job 1 succeeded, r3-order observes its result; round 4: completed"):
             with self.subTest(line=expected):
                 self.assertIn(expected, lines)
-        self.assertRegex(done.stdout, r'  5  finished: True; job 1 succeeded, result \{"rows": 3, "total_cents": '
-                                      r'6000\}, fingerprint [0-9a-f]{12}')
+        self.assertRegex(done.stdout, r'  5  finish: True; job 1 succeeded \{"rows": 3, "total_cents": 6000\}, '
+                                      r'fingerprint [0-9a-f]{12}')
         (shown,) = code_blocks(readme_section("Work that outlives a call: durable jobs"), "")
         self.assertEqual(shown, done.stdout)
+
+
+# PART 22: see a store
+
+class SeeStoreTests(LeaseCase):
+    """PART 22: python3 agent_loop.py store PATH: a SQLite store's runs and jobs, a line each; a run followed."""
+
+    def test_see_a_store_lists_runs_and_jobs_and_follows_a_run(self):
+        store = self.store()
+        store.add("queued")
+        asyncio.run(run_agent(store=store, run_id="done", limits=ROOMY))
+        store.submit("ana", "k", "export", {"month": "2026-08"})
+        listed, followed = run_commands(["store", self.where], ["store", self.where, "--follow", "done"])
+        self.assertEqual((listed.returncode, listed.stderr), (0, ""))
+        lines = listed.stdout.splitlines()
+        self.assertRegex(lines[0], r"^run queued +queued +generation 0 +round 0, 0 calls, 0 credits  -$")
+        self.assertRegex(lines[1], r"^run done +completed +generation 1 +round 3, 3 calls, 17 credits  -$")
+        self.assertRegex(lines[2], r"^job 1 +queued +attempt 0 +0/0  -  ana: export$")
+        self.assertEqual([json.loads(line) for line in followed.stdout.splitlines()], store.load("done")["trace"])
+        missing = run_command("store", os.path.join(self.folder, "none.db"))
+        self.assertEqual((missing.returncode, missing.stderr.splitlines()[-1].endswith(": no such file")), (2, True))
 
 
 # The README's examples, and the result-ownership experiment (result_ownership.py, verify_ownership.py,
@@ -9455,9 +9846,127 @@ def job_worker(kind, where, ready):
                 print(json.dumps({step: fenced.reason}), flush=True)
 
 
+def store_of(kind, where, store=None, **options):
+    """A SqlStore (or the class store) on SQLite or PostgreSQL (kind) at where."""
+    def connect():
+        if kind == "sqlite":
+            return sqlite3.connect(where, isolation_level=None, timeout=30, check_same_thread=False)
+        import psycopg
+        return psycopg.connect(where, autocommit=True)
+
+    return (store or agent_loop.SqlStore)(connect, **options)
+
+
+def job_run(kind, where, ready):
+    """The order as a job, run by name; the moment its job's submit has committed, it writes ready and hangs there:
+    the parent kills it, the call's observation never saved."""
+    class Submitted(agent_loop.SqlStore):
+        def submit(self, *args, **options):
+            receipt = super().submit(*args, **options)
+            open(ready, "w").close()
+            time.sleep(600)
+            return receipt
+
+    async def main():
+        with store_of(kind, where, Submitted) as store:
+            await run_agent(agent_loop.receipt_model, registry=agent_loop.JOB_ORDER_TOOLS,
+                            accept=agent_loop.receipt_accepted, fixtures=Fixtures(delays={}), store=store,
+                            run_id="order", approve=lambda write: "approve", limits=ROOMY)
+
+    asyncio.run(main())
+
+
+def slow_run(kind, where, log):
+    """The inventory's run, named "slow", each call slow and logged: another process cancels it meanwhile. Its
+    result, as JSON."""
+    class Slow(agent_loop.Fixtures):
+        async def invoke(self, call):
+            with open(log, "a") as file:
+                file.write(call["call_id"] + "\n")
+            await asyncio.sleep(1.0)
+            return await super().invoke(call)
+
+    async def main():
+        with store_of(kind, where) as store:
+            result = await run_agent(store=store, run_id="slow", fixtures=Slow(delays={}), limits=SLOW_ROOMY)
+        print(json.dumps(result))
+
+    asyncio.run(main())
+
+
+def cancel_run(kind, where, run_id, by):
+    """Cancel run_id from this process, and print what the store said."""
+    with store_of(kind, where) as store:
+        print(json.dumps(store.cancel_run(run_id, by=by)))
+
+
+def follow(kind, where, run_id):
+    """Follow run_id from this process: print each event as it is saved, with its seq, until the run ends."""
+    with store_of(kind, where) as store:
+        after = 0
+        while True:
+            for event in store.trace(run_id, after):
+                after = event["seq"]
+                print(json.dumps(event), flush=True)
+                if event["event"] == "stop":
+                    return
+            time.sleep(0.005)
+
+
+def job_pool_worker(kind, where, name, role):
+    """A worker of a pool whose runs each place their order as a job: role "runs" works runs (the README's worker
+    loop), "jobs" works jobs; each prints a JSON line per claim or job begun, until no run is left unfinished."""
+    def say(**line):
+        print(json.dumps({"worker": name, **line}), flush=True)
+
+    def place(items, progress):
+        say(working=True)
+        for done in range(1, len(items) + 1):
+            time.sleep(0.02)
+            progress(done, len(items))
+        return {"order": "PO", "lines": len(items), "total_cents": sum(item["cents"] for item in items)}
+
+    async def main():
+        with store_of(kind, where, lease_seconds=1.0) as store:
+            while store.unfinished():
+                if role == "jobs":
+                    if not await agent_loop.work_jobs(store, {"place_order": place}):
+                        await asyncio.sleep(0.05)
+                    continue
+                run_id = store.claim_next()
+                if run_id is None:
+                    await asyncio.sleep(0.05)
+                    continue
+                say(claimed=run_id)
+                await run_agent(agent_loop.receipt_model, registry=agent_loop.JOB_ORDER_TOOLS,
+                                accept=agent_loop.receipt_accepted, fixtures=Fixtures(delays={}), store=store,
+                                run_id=run_id, approve=lambda write: "approve",  # room for a batch a crash cut
+                                limits=dataclasses.replace(SLOW_ROOMY, calls=12, credits=60))
+
+    asyncio.run(main())
+
+
+def frozen_job_worker(kind, where, ready):
+    """A job worker that claims job 1 and freezes inside its first progress's transaction, its UPDATE made: it
+    writes ready and sleeps there; the parent stops it with SIGSTOP."""
+    class Freezing(agent_loop.SqlStore):
+        def _sql(self, statement, parameters=()):
+            cursor = super()._sql(statement, parameters)
+            if statement.startswith("UPDATE agent_loop_jobs SET done"):
+                open(ready, "w").close()
+                time.sleep(60)
+            return cursor
+
+    with store_of(kind, where, Freezing, lease_seconds=JOB_LEASE) as store:
+        job = store.claim_job()
+        store.progress(job["id"], job["attempt"], 1, 2)
+
+
 CHILDREN = {"mcp_server": mcp_server, "crashing_run": crashing_run, "writing_run": writing_run,
             "pool_worker": pool_worker, "frozen_worker": frozen_worker, "catalog_run": catalog_run,
-            "job_worker": job_worker}  # what `python3 test_agent_loop.py child NAME ARGS` runs
+            "job_worker": job_worker, "job_run": job_run, "slow_run": slow_run, "cancel_run": cancel_run,
+            "follow": follow, "job_pool_worker": job_pool_worker,
+            "frozen_job_worker": frozen_job_worker}  # what `python3 test_agent_loop.py child NAME ARGS` runs
 
 
 def postgres_connection(conninfo, schema):
