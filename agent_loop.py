@@ -1002,12 +1002,12 @@ class Part:
     """A later part of the module, as the core reads it: what it adds, and the seams where it joins a run.
 
     A later part subclasses Part and declares what it adds: statuses and errors (the stop statuses and observation
-    errors; every_status() and every_error() give the module's), refusals (names for on_refused: policy(stop, decision,
-    turn, run) gives the round a refused batch becomes, or None), commands (name: (help, options(parser), async
-    run(args, parser)); a later part's replaces an earlier one of its name) and options (the run_agent keywords it
-    takes), pauses (statuses that pause a named run, as awaiting_approval does, rather than end it). join(run, given)
-    makes its seams for a run given those options (or whose registry or limits ask for the
-    part: a read with retries), or None: a run that asks for none of a part meets none of its seams, and the
+    errors; every_status() and every_error() give the module's), pauses (statuses that pause a named run, as
+    awaiting_approval does, rather than end it), refusals (names for on_refused: policy(stop, decision, turn, run)
+    gives the round a refused batch becomes, or None), commands (name: (help, options(parser), async run(args,
+    parser)); a later part's replaces an earlier one of its name) and options (the run_agent keywords it takes).
+    join(run, given) makes its seams for a run given those options (or whose registry or limits ask for the part: a
+    read with retries, a job tool), or None: a run that asks for none of a part meets none of its seams, and the
     article's run meets none at all. Parts join in the order they are defined, but one that is `last` (a store's
     journal, which checks what it holds for the run as the others made it, then claims it) joins after the others.
     A seam is a method named for the step of the article it serves; it gets the run and a value, and returns what
@@ -2278,7 +2278,8 @@ class _Journal(Part):
         if self.approve is not None or self.approvals or state["writes"]:
             check, reconcile = (getattr(type(run.tools), name, None) for name in ("check_writes", "reconcile"))
             if check is not None:
-                check(run.tools, sorted(name for name, spec in run.registry.items() if not spec.read_only and not spec.job))
+                writes = (name for name, spec in run.registry.items() if not spec.read_only and not spec.job)
+                check(run.tools, sorted(writes))  # (a job tool's work is a job worker's)
             if reconcile is not None and _is_async(reconcile) is False:
                 raise ValueError("reconcile: the tools' reconcile must be async (FunctionTools takes a plain function)")
         pending = {cid for cid, write in state["writes"].items()
@@ -2937,10 +2938,10 @@ class SqlStore(Store):
             self._unstall()
             with self._transaction():
                 while True:
-                    row = self._sql(f"SELECT run_id, claims FROM agent_loop_runs r WHERE status IS NULL AND (waits IS "
-                                    f"NULL OR waits = 'awaiting_job' AND NOT EXISTS (SELECT 1 FROM agent_loop_jobs WHERE "
-                                    f"owner = r.run_id AND state IN {_UNFINISHED!r})) AND (lease_until IS NULL OR "
-                                    f"lease_until <= ?) ORDER BY added, run_id LIMIT 1" + self.dialect["skip_locked"],
+                    row = self._sql(f"SELECT run_id, claims FROM agent_loop_runs r WHERE status IS NULL AND (waits "
+                                    f"IS NULL OR waits = 'awaiting_job' AND NOT EXISTS (SELECT 1 FROM agent_loop_jobs "
+                                    f"WHERE owner = r.run_id AND state IN {_UNFINISHED!r})) AND (lease_until IS NULL "
+                                    f"OR lease_until <= ?) ORDER BY added, run_id LIMIT 1" + self.dialect["skip_locked"],
                                     (self._now(),)).fetchone()
                     if row is None:
                         return None
@@ -3029,9 +3030,10 @@ class SqlStore(Store):
         limits or by another version: resumed by name, with those, it goes on)."""
         generation = self.leased.pop(run_id, None)
         if generation is not None:
-            self._sql("UPDATE agent_loop_runs SET holder = NULL, lease_until = NULL, waits = ?, why = ? WHERE run_id = ? "
-                      "AND generation = ? AND holder = ?", ("aside" if aside else None, "this version cannot resume it "
-                                                           "as saved" if aside else None, run_id, generation, self.holder))
+            why = "this version cannot resume it as saved" if aside else None
+            self._sql("UPDATE agent_loop_runs SET holder = NULL, lease_until = NULL, waits = ?, why = ? WHERE "
+                      "run_id = ? AND generation = ? AND holder = ?",
+                      ("aside" if aside else None, why, run_id, generation, self.holder))
 
     @_on_its_thread
     def save(self, run_id, generation, state, records, events, end=None):
@@ -3329,9 +3331,10 @@ class SqlStore(Store):
 
     def _job(self, job_id):
         """(state, attempt, holder, lease_until, max_attempts, done, deadline) of the job, its row locked; or None."""
-        return self._sql("SELECT state, attempt, holder, lease_until, max_attempts, done, deadline FROM agent_loop_jobs "
-                         "WHERE id = ?" + self.dialect["lock"], (job_id,)).fetchone() \
-            if type(job_id) is int and 0 < job_id <= _MOST else None
+        if type(job_id) is not int or not 0 < job_id <= _MOST:
+            return None
+        return self._sql("SELECT state, attempt, holder, lease_until, max_attempts, done, deadline FROM "
+                         "agent_loop_jobs WHERE id = ?" + self.dialect["lock"], (job_id,)).fetchone()
 
     def _held_job(self, job_id, attempt):
         """(state, max_attempts, done, deadline, now) of a job this attempt holds, its row locked and the clock read
@@ -3489,10 +3492,11 @@ _DIALECTS = {
                    "'transactionid' AND l.transactionid = r.xmax AND l.granted JOIN pg_stat_activity a ON a.pid = "
                    "l.pid WHERE r.status IS NULL AND r.lease_until <= %s AND a.xact_start < clock_timestamp() - "
                    "make_interval(secs => %s) AND l.pid <> pg_backend_pid() AND (%s::text IS NULL OR r.run_id = %s)",
-        "unstall_jobs": "SELECT pg_terminate_backend(l.pid, 1000) FROM agent_loop_jobs j JOIN pg_locks l ON l.locktype = "
-                        "'transactionid' AND l.transactionid = j.xmax AND l.granted JOIN pg_stat_activity a ON a.pid = "
-                        "l.pid WHERE j.state IN ('running', 'cancel_requested') AND j.lease_until <= %s AND a.xact_start "
-                        "< clock_timestamp() - make_interval(secs => %s) AND l.pid <> pg_backend_pid()",
+        "unstall_jobs": "SELECT pg_terminate_backend(l.pid, 1000) FROM agent_loop_jobs j JOIN pg_locks l ON "
+                        "l.locktype = 'transactionid' AND l.transactionid = j.xmax AND l.granted JOIN pg_stat_activity "
+                        "a ON a.pid = l.pid WHERE j.state IN ('running', 'cancel_requested') AND j.lease_until <= %s "
+                        "AND a.xact_start < clock_timestamp() - make_interval(secs => %s) AND l.pid <> "
+                        "pg_backend_pid()",
     },
 }
 
@@ -4921,8 +4925,8 @@ async def _concurrency(quick):
 
 
 def _show_concurrency(number, figures, cell):
-    print(f"\n{number}. A batch of 8 calls of {BENCH_WAIT * 1000:.0f} ms under Limits.concurrency: milliseconds, beside "
-          "the ideal (the batch in waves of that many)")
+    print(f"\n{number}. A batch of 8 calls of {BENCH_WAIT * 1000:.0f} ms under Limits.concurrency: milliseconds, "
+          "beside the ideal (the batch in waves of that many)")
     for concurrency, row in figures.items():
         print(f"   concurrency={concurrency}  wall {cell(**row['wall_ms'])}   ideal {row['ideal_ms']:5.0f}")
 
@@ -5018,10 +5022,10 @@ class Timeline:
 
     def __init__(self, limits=None, registry=None):
         self.limits = limits  # the run's Limits, if known: tells a cut by a call's own limit from one by the deadline
-        self.registry = dict(registry or {})  # its registry, if known: a tool's own limit (ToolSpec.seconds) is marked so
+        self.registry = dict(registry or {})  # its registry, if known: a tool's own limit (ToolSpec.seconds) marked so
         self.decisions = []   # (asked, answered) of each decision, in order: one per round
         self.calls = {}       # call_id -> [(started, ended)] of each attempt (see ToolSpec.retries)
-        self.cut = set()      # (call_id, attempt) and ("model", round) that the runtime's wait ended, not they themselves
+        self.cut = set()      # (call_id, attempt), ("model", round): what the runtime's wait ended, not they themselves
         self.events = []      # (time, trace event)
 
     @staticmethod
@@ -5387,8 +5391,9 @@ def _svg_document(runs):
                 for (began, ended), said in zip(tried, timeline.outcomes(name, tried, outcome)):  # a bar per attempt
                     left, length = x(began), 2.0 if ended is None else max(x(ended) - x(began), 2.0)
                     shade = colour if said == outcome else _COLOURS.get(said, _FAILED)
+                    title = f"{escape(lane)}: {escape(said)}"
                     body.append(f'<rect class="{kind}" x="{left:.1f}" y="{y + 4}" width="{length:.1f}" '
-                                f'height="{row - 8}" fill="{shade}"><title>{escape(lane)}: {escape(said)}</title></rect>')
+                                f'height="{row - 8}" fill="{shade}"><title>{title}</title></rect>')
                 body.append(f'<text x="{label + bars + 8}" y="{y + 14}" class="outcome">{escape(outcome)}</text>')
                 y += row
             for limit, when, where in marks:
@@ -5809,8 +5814,8 @@ async def see_store(path, follow=None):
     with SqliteStore(path) as store:
         if follow is None:
             seen, now = await _off_the_loop(store, store.overview), time.time()
-            print("\n".join([_run_line(run, now) for run in seen["runs"]] + [_job_line(job, now) for job in seen["jobs"]]
-                            or ["(an empty store)"]))
+            lines = [_run_line(run, now) for run in seen["runs"]] + [_job_line(job, now) for job in seen["jobs"]]
+            print("\n".join(lines or ["(an empty store)"]))
             return
         after, pauses = 0, ("awaiting_approval", "unknown_outcome", *_declared("pauses"))
         while True:

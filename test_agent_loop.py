@@ -7118,235 +7118,6 @@ class PostgresJobTests(OnPostgres, JobTests):
     """The job tests on a PostgreSQL server of their own."""
 
 
-# PART 15: a run that waits for its jobs without holding a process; runs cancelled and followed from anywhere
-
-class JobRunTests(LeaseCase):
-    """PART 15 and PART 11: job tools in a named run, awaiting_job and going on; a run cancelled and followed from
-    another process; a run that kills its workers set aside; here on SQLite (PostgresJobRunTests: PostgreSQL)."""
-
-    def run_options(self, store, run_id="order", **options):
-        return dict(registry=agent_loop.JOB_ORDER_TOOLS, accept=agent_loop.receipt_accepted,
-                    fixtures=Fixtures(delays={}), store=store, run_id=run_id, limits=ROOMY, **options)
-
-    def asked(self):
-        """receipt_model, counting the decisions it makes."""
-        count = []
-
-        async def model(history):
-            count.append(len(history))
-            return await agent_loop.receipt_model(history)
-
-        return model, count
-
-    async def test_a_job_tool_needs_a_store_that_keeps_jobs(self):
-        registry = agent_loop.JOB_ORDER_TOOLS
-        await self.assertRefusedBeforeTheModelIsAsked(
-            "place_order: a job tool needs a store: run_agent(..., store=..., run_id=...)", registry=registry,
-            accept=agent_loop.receipt_accepted, fixtures=Fixtures(delays={}))
-
-        class Runs(agent_loop.Store):  # a store of named runs that keeps no jobs
-            load = claim = claimed = save = unfinished = lambda self, *args: None
-
-        await self.assertRefusedBeforeTheModelIsAsked(
-            "place_order: a job tool needs a store that keeps jobs, such as a SqlStore", registry=registry,
-            accept=agent_loop.receipt_accepted, fixtures=Fixtures(delays={}), store=Runs(), run_id="r")
-
-    async def test_a_job_call_submits_its_job_and_the_run_pauses_holding_no_lease(self):
-        store = self.store()
-        result = await run_agent(agent_loop.receipt_model, approve=lambda write: "approve", **self.run_options(store))
-        (pending,) = result["pending"]
-        self.assertEqual((result["status"], pending["call_id"], pending["name"], pending["job"]),
-                         ("awaiting_job", "r3-order", "place_order", 1))
-        self.assertEqual(pending["arguments"], {"items": PLAN["items"]})
-        self.assertEqual(result["used"], {"rounds": 3, "calls": 4, "credits": 20})  # the job's call charged as one
-        (run,) = store.overview()["runs"]
-        self.assertEqual((run["holder"], run["until"], run["waits"]), (None, None, "awaiting_job"))
-        self.assertEqual(store.status("order", 1)["state"], "queued")  # its owner: the run
-        job = store.claim_job()
-        self.assertEqual((job["kind"], job["params"]), ("place_order", {"items": PLAN["items"]}))
-        key = agent_loop.idempotency_key("order", "r3-order", store.store_id)
-        self.assertEqual(store.submit("order", key, "place_order", {"items": PLAN["items"]})["id"], 1)  # its key
-
-    async def test_a_write_job_is_approved_before_its_job_is_submitted(self):
-        store = self.store()
-        result = await run_agent(agent_loop.receipt_model, approve=lambda write: "ask", **self.run_options(store))
-        self.assertEqual((result["status"], store.overview()["jobs"]), ("awaiting_approval", []))
-        result = await run_agent(agent_loop.receipt_model, approvals={"r3-order": "approve"}, **self.run_options(store))
-        self.assertEqual((result["status"], len(store.overview()["jobs"])), ("awaiting_job", 1))
-
-    async def test_the_run_asks_the_model_nothing_until_every_job_has_ended_then_goes_on_with_its_result(self):
-        store = self.store()
-        model, asked = self.asked()
-        await run_agent(model, approve=lambda write: "approve", **self.run_options(store))
-        self.assertIsNone(store.claim_next())  # waiting on its job: no worker gets it
-        again = await run_agent(model, **self.run_options(store))
-        self.assertEqual((again["status"], again["used"], len(asked)), ("awaiting_job", {"rounds": 3, "calls": 4,
-                                                                                          "credits": 20}, 3))
-        self.assertEqual(await agent_loop.work_jobs(store, {"place_order": agent_loop.place_order_job}), 1)
-        self.assertEqual(store.claim_next(), "order")  # its jobs have ended: a worker may go on with it
-        done = await run_agent(model, **self.run_options(store))
-        receipt = {"order": "PO-1", "lines": 3, "total_cents": 21900}
-        self.assertEqual((done["status"], done["answer"], len(asked)), ("completed", receipt, 4))
-        order = done["history"][2]["observations"][0]
-        self.assertEqual((order["ok"], order["data"], order["job"]), (True, receipt, 1))
-        self.assertEqual(len(store.overview()["jobs"]), 1)  # submitted once, whatever the resumes
-
-    async def test_a_job_that_failed_or_was_cancelled_is_a_retryable_observation(self):
-        for ending, error in (("failed", "job_failed"), ("cancelled", "job_cancelled")):
-            with self.subTest(ending=ending):
-                store = self.store()
-                model = scripted(calls(call("r1-order", "place_order", items=PLAN["items"])), final("done"))
-                options = {**self.run_options(store, ending), "accept": any_answer}
-                paused = await run_agent(model, approve=lambda write: "approve", **options)
-                job_id = paused["pending"][0]["job"]
-                if ending == "failed":
-                    job = store.claim_job()
-                    store.fail(job["id"], job["attempt"], "out_of_stock")
-                else:
-                    store.cancel(ending, job_id)
-                result = await run_agent(model, **options)
-                (obs,) = observations(result)
-                self.assertEqual((result["status"], obs["error"], obs["retryable"], obs.get("reason")),
-                                 ("completed", error, True, "out_of_stock" if ending == "failed" else None))
-
-    async def test_the_time_paused_is_none_of_the_runs_and_each_job_has_the_runs_job_seconds(self):
-        now = [time.time()]
-        store = self.store(clock=lambda: now[0])
-        limits = Limits(total_seconds=0.5, tool_seconds=0.2, job_seconds=60)
-        options = {**self.run_options(store), "limits": limits}
-        await run_agent(agent_loop.receipt_model, approve=lambda write: "approve", **options)
-        await asyncio.sleep(0.6)  # longer than the run may take: paused, it is no time of the run's
-        now[0] += 61  # and past the job's deadline, on the store's clock
-        self.assertIsNone(store.claim_job())
-        self.assertEqual(store.status("order", 1)["error"], "deadline_exceeded")
-        result = await run_agent(agent_loop.receipt_model, **options)  # not past its deadline: it goes on
-        failed = observations(result)[3]
-        self.assertEqual((failed["error"], failed["reason"]), ("job_failed", "deadline_exceeded"))
-        self.assertEqual((result["status"], result["pending"][0]["call_id"]), ("awaiting_approval", "r4-order"))
-
-    async def test_a_run_killed_right_after_submitting_its_job_resumes_without_a_second_job(self):
-        ready = os.path.join(self.folder, "submitted")
-        run_in_a_process("job_run", self.kind(), self.where, ready, kill_when=ready)
-        store = self.store()
-        self.assertEqual(len(store.overview()["jobs"]), 1)  # its submit committed; its observation was never saved
-        options = self.run_options(store)
-        paused = await run_agent(agent_loop.receipt_model, **options)
-        self.assertEqual((paused["status"], paused["pending"][0]["job"]), ("awaiting_job", 1))
-        self.assertEqual(errors(paused)[-1], "awaiting_job")
-        await agent_loop.work_jobs(store, {"place_order": agent_loop.place_order_job})
-        done = await run_agent(agent_loop.receipt_model, **options)
-        self.assertEqual((done["status"], len(store.overview()["jobs"])), ("completed", 1))
-        self.assertEqual(done["used"]["calls"], 4)  # the cut call charged once
-
-    async def test_a_run_no_lease_holds_is_cancelled_at_once_and_its_jobs_are_asked_to_cancel(self):
-        store = self.store()
-        await run_agent(agent_loop.receipt_model, approve=lambda write: "approve", **self.run_options(store))
-        store.add("queued")
-        self.assertEqual(store.cancel_run("order", by="ops"), "cancelled")
-        self.assertEqual(store.cancel_run("queued"), "cancelled")
-        self.assertEqual(store.status("order", 1)["state"], "cancelled")
-        model, asked = self.asked()
-        result = await run_agent(model, **self.run_options(store))  # its stored result: nothing asked
-        self.assertEqual((result["status"], result["trace"][-1]["by"], asked), ("cancelled", "ops", []))
-        queued = await run_agent(model, **{**self.run_options(store), "run_id": "queued"})
-        self.assertEqual((queued["status"], queued["trace"][-1]["by"], asked), ("cancelled", "cancel_run", []))
-        self.assertEqual((store.cancel_run("order"), store.cancel_run("nobody")), ("cancelled", None))
-        done = await run_agent(**{**self.run_options(self.store()), "run_id": "done", "registry": TOOLS,
-                                  "accept": accepted})
-        self.assertEqual((done["status"], store.cancel_run("done")), ("completed", "completed"))  # left as it was
-
-    async def test_a_cancel_from_another_process_stops_a_running_run_at_its_next_save(self):
-        log = os.path.join(self.folder, "slow.log")
-        worker = subprocess.Popen(child_command("slow_run", self.kind(), self.where, log), stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True)
-        self.addCleanup(worker.kill)
-        await wait_until(lambda: "r2-plan" in read_file(log), 60)  # its plan runs
-        canceller = subprocess.run(child_command("cancel_run", self.kind(), self.where, "slow", "ops"),
-                                   capture_output=True, text=True, timeout=60)
-        self.assertEqual(json.loads(canceller.stdout), "cancel_requested")
-        out, _ = worker.communicate(timeout=60)
-        result = json.loads(out.splitlines()[-1])
-        self.assertEqual((result["status"], result["trace"][-1]["by"]), ("cancelled", "ops"))
-        self.assertEqual(result["used"]["rounds"], 2)  # at its next save, once the plan it was running was observed
-        self.assertEqual(self.store().load("slow")["status"], "cancelled")
-
-    async def test_a_follower_in_another_process_sees_every_event_once_in_order(self):
-        store = self.store()
-        store.add("followed")
-        follower = subprocess.Popen(child_command("follow", self.kind(), self.where, "followed"),
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.addCleanup(follower.kill)
-        slow = Fixtures(delays={"north": 0.05, "south": 0.05, "compute_plan": 0.05})
-        result = await run_agent(store=store, run_id="followed", fixtures=slow, limits=ROOMY)
-        out, _ = follower.communicate(timeout=60)
-        seen = [json.loads(line) for line in out.splitlines()]
-        self.assertEqual([event["seq"] for event in seen], list(range(1, len(result["trace"]) + 1)))
-        self.assertEqual([{k: v for k, v in event.items() if k != "seq"} for event in seen], result["trace"])
-        self.assertEqual(store.trace("followed", 3), [{"seq": n, **event} for n, event in
-                                                     enumerate(result["trace"][3:], 4)])
-
-    def test_a_run_whose_workers_die_every_time_is_handed_out_max_claims_times_then_set_aside(self):
-        now = [0.0]
-        store = self.store(lease_seconds=1, clock=lambda: now[0], max_claims=3)
-        store.add("a-poison")
-        store.add("b-fine")
-        handed = []
-        for _ in range(6):
-            handed.append(store.claim_next())
-            now[0] += 2  # its worker died with it: the lease runs out
-        self.assertEqual(handed, ["a-poison"] * 3 + ["b-fine"] * 3)
-        (poison, fine) = store.overview()["runs"]
-        self.assertEqual((poison["waits"], poison["why"]), ("aside", "handed out 3 times in a row, its lease ran out "
-                                                                     "each time"))
-        store.add("other")
-        self.assertEqual(store.claim_next(), "other")
-        store.release("other", 1)  # a claim that ended otherwise starts the count again
-        for _ in range(3):
-            self.assertEqual(store.claim_next(), "other")
-            now[0] += 2
-        self.assertIsNone(store.claim_next())
-
-    def test_a_pool_of_run_workers_and_job_workers_one_of_each_killed_ends_every_run_once_each_job_once(self):
-        queue = self.store()
-        runs = [f"run-{n:02}" for n in range(20)]
-        for run_id in runs:
-            queue.add(run_id)
-        logs, workers = {}, {}
-        for name, role in (("runs-victim", "runs"), ("runs-1", "runs"), ("runs-2", "runs"), ("jobs-victim", "jobs"),
-                           ("jobs-1", "jobs")):
-            logs[name] = open(os.path.join(self.folder, f"{name}.log"), "w+")
-            self.addCleanup(logs[name].close)
-            workers[name] = subprocess.Popen(child_command("job_pool_worker", self.kind(), self.where, name, role),
-                                             stdout=logs[name], stderr=subprocess.STDOUT)
-            self.addCleanup(workers[name].kill)
-
-        def lines(name):
-            logs[name].seek(0)
-            return [json.loads(line) for line in logs[name].read().splitlines() if line.startswith("{")]
-
-        end = time.monotonic() + 90
-        for victim, mark in (("runs-victim", "claimed"), ("jobs-victim", "working")):
-            while len([line for line in lines(victim) if mark in line]) < 2:
-                self.assertLess(time.monotonic(), end, lines(victim))
-                time.sleep(0.01)
-            workers[victim].kill()  # SIGKILL, mid-run or mid-job
-        for name in ("runs-1", "runs-2", "jobs-1"):
-            self.assertEqual(workers[name].wait(timeout=120), 0, lines(name))
-        jobs = queue.overview()["jobs"]
-        self.assertEqual(sorted(job["owner"] for job in jobs), runs)  # one job per call
-        for run_id in runs:
-            saved = queue.load(run_id)
-            (job,) = [job for job in jobs if job["owner"] == run_id]
-            self.assertEqual((saved["status"], job["state"]), ("completed", "succeeded"), run_id)
-            self.assertEqual(saved["answer"], queue.result(run_id, job["id"])["result"])
-            self.assertEqual([event["event"] for event in queue.events(run_id, job["id"])].count("succeeded"), 1)
-            self.assertEqual([event.get("status") for event in saved["trace"]].count("completed"), 1)
-
-
-class PostgresJobRunTests(OnPostgres, JobRunTests):
-    """The tests of runs that wait for jobs, cancelled and followed, on a PostgreSQL server of their own."""
-
-
 # PART 12: a call's attempts: reads tried again unseen by the model, a tool's own time limit, a cap on calls in
 # flight
 
@@ -8088,6 +7859,235 @@ class CatalogTests(RuntimeTestCase):
                 else:  # the cut call is charged, interrupted; the model asks again, and the loaded tool runs
                     self.assertEqual((errors(result), result["used"]), (["interrupted"],
                                                                         {"rounds": 5, "calls": 4, "credits": 19}))
+
+
+# PART 15: a run that waits for its jobs without holding a process; runs cancelled and followed from anywhere
+
+class JobRunTests(LeaseCase):
+    """PART 15 and PART 11: job tools in a named run, awaiting_job and going on; a run cancelled and followed from
+    another process; a run that kills its workers set aside; here on SQLite (PostgresJobRunTests: PostgreSQL)."""
+
+    def run_options(self, store, run_id="order", **options):
+        return dict(registry=agent_loop.JOB_ORDER_TOOLS, accept=agent_loop.receipt_accepted,
+                    fixtures=Fixtures(delays={}), store=store, run_id=run_id, limits=ROOMY, **options)
+
+    def asked(self):
+        """receipt_model, counting the decisions it makes."""
+        count = []
+
+        async def model(history):
+            count.append(len(history))
+            return await agent_loop.receipt_model(history)
+
+        return model, count
+
+    async def test_a_job_tool_needs_a_store_that_keeps_jobs(self):
+        registry = agent_loop.JOB_ORDER_TOOLS
+        await self.assertRefusedBeforeTheModelIsAsked(
+            "place_order: a job tool needs a store: run_agent(..., store=..., run_id=...)", registry=registry,
+            accept=agent_loop.receipt_accepted, fixtures=Fixtures(delays={}))
+
+        class Runs(agent_loop.Store):  # a store of named runs that keeps no jobs
+            load = claim = claimed = save = unfinished = lambda self, *args: None
+
+        await self.assertRefusedBeforeTheModelIsAsked(
+            "place_order: a job tool needs a store that keeps jobs, such as a SqlStore", registry=registry,
+            accept=agent_loop.receipt_accepted, fixtures=Fixtures(delays={}), store=Runs(), run_id="r")
+
+    async def test_a_job_call_submits_its_job_and_the_run_pauses_holding_no_lease(self):
+        store = self.store()
+        result = await run_agent(agent_loop.receipt_model, approve=lambda write: "approve", **self.run_options(store))
+        (pending,) = result["pending"]
+        self.assertEqual((result["status"], pending["call_id"], pending["name"], pending["job"]),
+                         ("awaiting_job", "r3-order", "place_order", 1))
+        self.assertEqual(pending["arguments"], {"items": PLAN["items"]})
+        self.assertEqual(result["used"], {"rounds": 3, "calls": 4, "credits": 20})  # the job's call charged as one
+        (run,) = store.overview()["runs"]
+        self.assertEqual((run["holder"], run["until"], run["waits"]), (None, None, "awaiting_job"))
+        self.assertEqual(store.status("order", 1)["state"], "queued")  # its owner: the run
+        job = store.claim_job()
+        self.assertEqual((job["kind"], job["params"]), ("place_order", {"items": PLAN["items"]}))
+        key = agent_loop.idempotency_key("order", "r3-order", store.store_id)
+        self.assertEqual(store.submit("order", key, "place_order", {"items": PLAN["items"]})["id"], 1)  # its key
+
+    async def test_a_write_job_is_approved_before_its_job_is_submitted(self):
+        store = self.store()
+        result = await run_agent(agent_loop.receipt_model, approve=lambda write: "ask", **self.run_options(store))
+        self.assertEqual((result["status"], store.overview()["jobs"]), ("awaiting_approval", []))
+        result = await run_agent(agent_loop.receipt_model, approvals={"r3-order": "approve"}, **self.run_options(store))
+        self.assertEqual((result["status"], len(store.overview()["jobs"])), ("awaiting_job", 1))
+
+    async def test_the_run_asks_the_model_nothing_until_every_job_has_ended_then_goes_on_with_its_result(self):
+        store = self.store()
+        model, asked = self.asked()
+        await run_agent(model, approve=lambda write: "approve", **self.run_options(store))
+        self.assertIsNone(store.claim_next())  # waiting on its job: no worker gets it
+        again = await run_agent(model, **self.run_options(store))
+        self.assertEqual((again["status"], again["used"], len(asked)), ("awaiting_job", {"rounds": 3, "calls": 4,
+                                                                                          "credits": 20}, 3))
+        self.assertEqual(await agent_loop.work_jobs(store, {"place_order": agent_loop.place_order_job}), 1)
+        self.assertEqual(store.claim_next(), "order")  # its jobs have ended: a worker may go on with it
+        done = await run_agent(model, **self.run_options(store))
+        receipt = {"order": "PO-1", "lines": 3, "total_cents": 21900}
+        self.assertEqual((done["status"], done["answer"], len(asked)), ("completed", receipt, 4))
+        order = done["history"][2]["observations"][0]
+        self.assertEqual((order["ok"], order["data"], order["job"]), (True, receipt, 1))
+        self.assertEqual(len(store.overview()["jobs"]), 1)  # submitted once, whatever the resumes
+
+    async def test_a_job_that_failed_or_was_cancelled_is_a_retryable_observation(self):
+        for ending, error in (("failed", "job_failed"), ("cancelled", "job_cancelled")):
+            with self.subTest(ending=ending):
+                store = self.store()
+                model = scripted(calls(call("r1-order", "place_order", items=PLAN["items"])), final("done"))
+                options = {**self.run_options(store, ending), "accept": any_answer}
+                paused = await run_agent(model, approve=lambda write: "approve", **options)
+                job_id = paused["pending"][0]["job"]
+                if ending == "failed":
+                    job = store.claim_job()
+                    store.fail(job["id"], job["attempt"], "out_of_stock")
+                else:
+                    store.cancel(ending, job_id)
+                result = await run_agent(model, **options)
+                (obs,) = observations(result)
+                self.assertEqual((result["status"], obs["error"], obs["retryable"], obs.get("reason")),
+                                 ("completed", error, True, "out_of_stock" if ending == "failed" else None))
+
+    async def test_the_time_paused_is_none_of_the_runs_and_each_job_has_the_runs_job_seconds(self):
+        now = [time.time()]
+        store = self.store(clock=lambda: now[0])
+        limits = Limits(total_seconds=0.5, tool_seconds=0.2, job_seconds=60)
+        options = {**self.run_options(store), "limits": limits}
+        await run_agent(agent_loop.receipt_model, approve=lambda write: "approve", **options)
+        await asyncio.sleep(0.6)  # longer than the run may take: paused, it is no time of the run's
+        now[0] += 61  # and past the job's deadline, on the store's clock
+        self.assertIsNone(store.claim_job())
+        self.assertEqual(store.status("order", 1)["error"], "deadline_exceeded")
+        result = await run_agent(agent_loop.receipt_model, **options)  # not past its deadline: it goes on
+        failed = observations(result)[3]
+        self.assertEqual((failed["error"], failed["reason"]), ("job_failed", "deadline_exceeded"))
+        self.assertEqual((result["status"], result["pending"][0]["call_id"]), ("awaiting_approval", "r4-order"))
+
+    async def test_a_run_killed_right_after_submitting_its_job_resumes_without_a_second_job(self):
+        ready = os.path.join(self.folder, "submitted")
+        run_in_a_process("job_run", self.kind(), self.where, ready, kill_when=ready)
+        store = self.store()
+        self.assertEqual(len(store.overview()["jobs"]), 1)  # its submit committed; its observation was never saved
+        options = self.run_options(store)
+        paused = await run_agent(agent_loop.receipt_model, **options)
+        self.assertEqual((paused["status"], paused["pending"][0]["job"]), ("awaiting_job", 1))
+        self.assertEqual(errors(paused)[-1], "awaiting_job")
+        await agent_loop.work_jobs(store, {"place_order": agent_loop.place_order_job})
+        done = await run_agent(agent_loop.receipt_model, **options)
+        self.assertEqual((done["status"], len(store.overview()["jobs"])), ("completed", 1))
+        self.assertEqual(done["used"]["calls"], 4)  # the cut call charged once
+
+    async def test_a_run_no_lease_holds_is_cancelled_at_once_and_its_jobs_are_asked_to_cancel(self):
+        store = self.store()
+        await run_agent(agent_loop.receipt_model, approve=lambda write: "approve", **self.run_options(store))
+        store.add("queued")
+        self.assertEqual(store.cancel_run("order", by="ops"), "cancelled")
+        self.assertEqual(store.cancel_run("queued"), "cancelled")
+        self.assertEqual(store.status("order", 1)["state"], "cancelled")
+        model, asked = self.asked()
+        result = await run_agent(model, **self.run_options(store))  # its stored result: nothing asked
+        self.assertEqual((result["status"], result["trace"][-1]["by"], asked), ("cancelled", "ops", []))
+        queued = await run_agent(model, **{**self.run_options(store), "run_id": "queued"})
+        self.assertEqual((queued["status"], queued["trace"][-1]["by"], asked), ("cancelled", "cancel_run", []))
+        self.assertEqual((store.cancel_run("order"), store.cancel_run("nobody")), ("cancelled", None))
+        done = await run_agent(**{**self.run_options(self.store()), "run_id": "done", "registry": TOOLS,
+                                  "accept": accepted})
+        self.assertEqual((done["status"], store.cancel_run("done")), ("completed", "completed"))  # left as it was
+
+    async def test_a_cancel_from_another_process_stops_a_running_run_at_its_next_save(self):
+        log = os.path.join(self.folder, "slow.log")
+        worker = subprocess.Popen(child_command("slow_run", self.kind(), self.where, log), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+        self.addCleanup(worker.kill)
+        await wait_until(lambda: "r2-plan" in read_file(log), 60)  # its plan runs
+        canceller = subprocess.run(child_command("cancel_run", self.kind(), self.where, "slow", "ops"),
+                                   capture_output=True, text=True, timeout=60)
+        self.assertEqual(json.loads(canceller.stdout), "cancel_requested")
+        out, _ = worker.communicate(timeout=60)
+        result = json.loads(out.splitlines()[-1])
+        self.assertEqual((result["status"], result["trace"][-1]["by"]), ("cancelled", "ops"))
+        self.assertEqual(result["used"]["rounds"], 2)  # at its next save, once the plan it was running was observed
+        self.assertEqual(self.store().load("slow")["status"], "cancelled")
+
+    async def test_a_follower_in_another_process_sees_every_event_once_in_order(self):
+        store = self.store()
+        store.add("followed")
+        follower = subprocess.Popen(child_command("follow", self.kind(), self.where, "followed"),
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.addCleanup(follower.kill)
+        slow = Fixtures(delays={"north": 0.05, "south": 0.05, "compute_plan": 0.05})
+        result = await run_agent(store=store, run_id="followed", fixtures=slow, limits=ROOMY)
+        out, _ = follower.communicate(timeout=60)
+        seen = [json.loads(line) for line in out.splitlines()]
+        self.assertEqual([event["seq"] for event in seen], list(range(1, len(result["trace"]) + 1)))
+        self.assertEqual([{k: v for k, v in event.items() if k != "seq"} for event in seen], result["trace"])
+        self.assertEqual(store.trace("followed", 3), [{"seq": n, **event} for n, event in
+                                                     enumerate(result["trace"][3:], 4)])
+
+    def test_a_run_whose_workers_die_every_time_is_handed_out_max_claims_times_then_set_aside(self):
+        now = [0.0]
+        store = self.store(lease_seconds=1, clock=lambda: now[0], max_claims=3)
+        store.add("a-poison")
+        store.add("b-fine")
+        handed = []
+        for _ in range(6):
+            handed.append(store.claim_next())
+            now[0] += 2  # its worker died with it: the lease runs out
+        self.assertEqual(handed, ["a-poison"] * 3 + ["b-fine"] * 3)
+        (poison, fine) = store.overview()["runs"]
+        self.assertEqual((poison["waits"], poison["why"]), ("aside", "handed out 3 times in a row, its lease ran out "
+                                                                     "each time"))
+        store.add("other")
+        self.assertEqual(store.claim_next(), "other")
+        store.release("other", 1)  # a claim that ended otherwise starts the count again
+        for _ in range(3):
+            self.assertEqual(store.claim_next(), "other")
+            now[0] += 2
+        self.assertIsNone(store.claim_next())
+
+    def test_a_pool_of_run_workers_and_job_workers_one_of_each_killed_ends_every_run_once_each_job_once(self):
+        queue = self.store()
+        runs = [f"run-{n:02}" for n in range(20)]
+        for run_id in runs:
+            queue.add(run_id)
+        logs, workers = {}, {}
+        for name, role in (("runs-victim", "runs"), ("runs-1", "runs"), ("runs-2", "runs"), ("jobs-victim", "jobs"),
+                           ("jobs-1", "jobs")):
+            logs[name] = open(os.path.join(self.folder, f"{name}.log"), "w+")
+            self.addCleanup(logs[name].close)
+            workers[name] = subprocess.Popen(child_command("job_pool_worker", self.kind(), self.where, name, role),
+                                             stdout=logs[name], stderr=subprocess.STDOUT)
+            self.addCleanup(workers[name].kill)
+
+        def lines(name):
+            logs[name].seek(0)
+            return [json.loads(line) for line in logs[name].read().splitlines() if line.startswith("{")]
+
+        end = time.monotonic() + 90
+        for victim, mark in (("runs-victim", "claimed"), ("jobs-victim", "working")):
+            while len([line for line in lines(victim) if mark in line]) < 2:
+                self.assertLess(time.monotonic(), end, lines(victim))
+                time.sleep(0.01)
+            workers[victim].kill()  # SIGKILL, mid-run or mid-job
+        for name in ("runs-1", "runs-2", "jobs-1"):
+            self.assertEqual(workers[name].wait(timeout=120), 0, lines(name))
+        jobs = queue.overview()["jobs"]
+        self.assertEqual(sorted(job["owner"] for job in jobs), runs)  # one job per call
+        for run_id in runs:
+            saved = queue.load(run_id)
+            (job,) = [job for job in jobs if job["owner"] == run_id]
+            self.assertEqual((saved["status"], job["state"]), ("completed", "succeeded"), run_id)
+            self.assertEqual(saved["answer"], queue.result(run_id, job["id"])["result"])
+            self.assertEqual([event["event"] for event in queue.events(run_id, job["id"])].count("succeeded"), 1)
+            self.assertEqual([event.get("status") for event in saved["trace"]].count("completed"), 1)
+
+
+class PostgresJobRunTests(OnPostgres, JobRunTests):
+    """The tests of runs that wait for jobs, cancelled and followed, on a PostgreSQL server of their own."""
 
 
 class StandaloneRuntimeTests(unittest.TestCase):
