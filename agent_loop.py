@@ -2286,6 +2286,8 @@ class _Journal(Part):
                    if write["verdict"] == "ask"} if state["waits"] == "approval" else set()
         for cid, verdict in self.approvals.items():
             if cid not in pending and state["writes"].get(cid, {}).get("verdict") != verdict:  # (given again: no news)
+                if saved and saved["status"] is not None:
+                    raise ValueError(f"{cid}: the run has ended, {saved['status']}: no write of it awaits approval")
                 raise ValueError(f"{cid}: not a write awaiting approval in this run")
 
     # The seams.
@@ -2310,7 +2312,9 @@ class _Journal(Part):
             if record["round"] not in refused:
                 run.attempts.update(_signature(item["name"], item["arguments"]) for item in record["calls"])
         self.saved_records, self.events = [_copy(record) for record in run.history[-1:]], len(run.trace)
-        await run.emit({"event": "resumed", "round": run.used["rounds"], **run.used}, spent=True)
+        # Saved with its next step: what a resume settles first (a write's outcome, asked again) is asked even of a
+        # run someone asked to cancel meanwhile, whose next save ends it.
+        await run.emit({"event": "resumed", "round": run.used["rounds"], **run.used})
         if not run.history:
             return None
         record = run.history[-1]
@@ -2324,9 +2328,10 @@ class _Journal(Part):
             run.used["credits"] += _cost(run.registry, cut)
             record["observations"] += [self._interrupted(item) for item in cut]
             await run.emit({"event": "observations", "round": record["round"], "ids": _ids(record),
-                            "parallel": _parallel(run.registry, record["calls"]), **run.used}, spent=True)
+                            "parallel": _parallel(run.registry, record["calls"]), **run.used})
         await run.seam("settle", None, record)  # what a later part waits for, asked about (a job's end, PART 15)
         await self._go_on(run, record)
+        await self._save(run)  # the resume, as it settled: a cancel asked for meanwhile ends the run here
         _stop_if_fatal(record)  # a round that stopped the run stops it again
         return None
 
@@ -2938,16 +2943,16 @@ class SqlStore(Store):
             self._unstall()
             with self._transaction():
                 while True:
+                    now = self._now()  # (a job queued past its deadline has ended: it will never start)
                     row = self._sql(f"SELECT run_id, claims FROM agent_loop_runs r WHERE status IS NULL AND (waits "
                                     f"IS NULL OR waits = 'awaiting_job' AND NOT EXISTS (SELECT 1 FROM agent_loop_jobs "
-                                    f"WHERE owner = r.run_id AND state IN {_UNFINISHED!r})) AND (lease_until IS NULL "
-                                    f"OR lease_until <= ?) ORDER BY added, run_id LIMIT 1" + self.dialect["skip_locked"],
-                                    (self._now(),)).fetchone()
+                                    f"WHERE run_id = r.run_id AND state IN {_UNFINISHED!r} AND NOT (state = 'queued' "
+                                    f"AND deadline IS NOT NULL AND deadline <= ?))) AND (lease_until IS NULL OR lease_until <= ?) ORDER BY "
+                                    f"added, run_id LIMIT 1" + self.dialect["skip_locked"], (now, now)).fetchone()
                     if row is None:
                         return None
                     generation, holder, _, now = self._held(row[0])
-                    # Handed out again while a holder's lease ran out: in a row, its workers died or froze with it.
-                    claims = row[1] + 1 if holder is not None else 1
+                    claims = row[1] + 1  # hand-outs in a row whose lease ran out: a claim that ended otherwise, 0
                     if claims <= self.max_claims:
                         break
                     self._sql("UPDATE agent_loop_runs SET waits = 'aside', why = ?, holder = NULL, lease_until = NULL "
@@ -3020,8 +3025,8 @@ class SqlStore(Store):
     @_on_its_thread
     def release(self, run_id, generation):
         """Let the run go, not ended: claim_next may give it to another worker at once."""
-        self._sql("UPDATE agent_loop_runs SET holder = NULL, lease_until = NULL WHERE run_id = ? AND generation = ? "
-                  "AND holder = ?", (run_id, generation, self.holder))
+        self._sql("UPDATE agent_loop_runs SET holder = NULL, lease_until = NULL, claims = 0 WHERE run_id = ? AND "
+                  "generation = ? AND holder = ?", (run_id, generation, self.holder))
 
     @_on_its_thread
     def give_back(self, run_id, aside=False):
@@ -3031,8 +3036,8 @@ class SqlStore(Store):
         generation = self.leased.pop(run_id, None)
         if generation is not None:
             why = "this version cannot resume it as saved" if aside else None
-            self._sql("UPDATE agent_loop_runs SET holder = NULL, lease_until = NULL, waits = ?, why = ? WHERE "
-                      "run_id = ? AND generation = ? AND holder = ?",
+            self._sql("UPDATE agent_loop_runs SET holder = NULL, lease_until = NULL, waits = ?, why = ?, claims = 0 "
+                      "WHERE run_id = ? AND generation = ? AND holder = ?",
                       ("aside" if aside else None, why, run_id, generation, self.holder))
 
     @_on_its_thread
@@ -3046,13 +3051,19 @@ class SqlStore(Store):
             fenced = self._fenced(run_id, generation, held)
             if fenced is not None:
                 raise fenced
-            (cancel,) = self._sql("SELECT cancel FROM agent_loop_runs WHERE run_id = ?", (run_id,)).fetchone()
-            if cancel is not None and (end or (None,))[0] != "cancelled":  # asked for: only that end is saved now
+            cancel, claims = self._sql("SELECT cancel, claims FROM agent_loop_runs WHERE run_id = ?",
+                                       (run_id,)).fetchone()
+            # A cancel asked for: the run's end is cancelled now, but a pause is kept (a write whose outcome is
+            # unknown is settled first, at the run's next call: then its end).
+            if cancel is not None and (end or (None,))[0] != "cancelled" and not (done and end is None):
                 raise Superseded(run_id, "cancelled", cancel)
             self._sql("UPDATE agent_loop_runs SET state = ?, status = ?, answer = ?, waits = ?, holder = ?, "
-                      "lease_until = ?, cancel = NULL WHERE run_id = ?",
+                      "lease_until = ?, cancel = ?, claims = ? WHERE run_id = ?",
                       (json.dumps(state), status, answer, state["waits"] if end is None and done else None,
-                       None if done else self.holder, None if done else held[3] + self.lease_seconds, run_id))
+                       None if done else self.holder, None if done else held[3] + self.lease_seconds,
+                       None if end is not None else cancel, 0 if done else claims, run_id))
+            if end is not None:  # an ended run's jobs will never be read: asked to cancel
+                self._cancel_jobs(run_id)
             self.db.cursor().executemany(
                 "INSERT INTO agent_loop_records VALUES (?, ?, ?) ON CONFLICT (run_id, round) DO UPDATE SET body = "
                 "excluded.body".replace("?", self.dialect["mark"]),
@@ -3074,17 +3085,18 @@ class SqlStore(Store):
         (added, crashed past its lease, paused, set aside) ends cancelled now, its stop event saying `by` whom; one a
         worker holds stops cancelled at its next save, or before its next call starts. Its status after: cancelled,
         "cancel_requested", that of a run that had ended (left as it was), or None for none of that id."""
-        if not _readable(by) or not by:
-            raise ValueError("by must be a string of 1 to 80 characters")
+        _checked_run_id(run_id)
+        if not _a_name(by):
+            raise ValueError("by must be a string of 1 to 80 printable characters")
         with self._transaction():
             generation, holder, until, now = self._held(run_id)
-            row = self._sql("SELECT status, state FROM agent_loop_runs WHERE run_id = ?", (run_id,)).fetchone()
+            row = self._sql("SELECT status, state, waits FROM agent_loop_runs WHERE run_id = ?", (run_id,)).fetchone()
             if row is None or row[0] is not None:
                 return None if row is None else row[0]
-            for job_id, state, attempt in self._sql(f"SELECT id, state, attempt FROM agent_loop_jobs WHERE owner = ? "
-                                                    f"AND state IN ('queued', 'running')", (run_id,)).fetchall():
-                self._job_ends(job_id, "cancelled" if state == "queued" else "cancel_requested", attempt)
-            if holder is not None and until is not None and until > now:
+            self._cancel_jobs(run_id)
+            # A worker holds it, or it waits for a write's outcome to be settled: the cancel is asked, and the run
+            # ends cancelled at its next save (its write settled first, at its next call).
+            if holder is not None and until is not None and until > now or row[2] == "outcome":
                 self._sql("UPDATE agent_loop_runs SET cancel = ? WHERE run_id = ?", (by, run_id))
                 return "cancel_requested"
             state = json.loads(row[1]) if row[1] else _NOTHING_SAVED
@@ -3100,34 +3112,30 @@ class SqlStore(Store):
     def overview(self):
         """Every run and job, each a dict of plain data, oldest first, for a person to read: what python3 agent_loop.py
         store PATH prints."""
-        runs = [{"run_id": run_id, "status": status, "generation": generation, "holder": holder, "until": until,
-                 "waits": waits, "why": why, "cancel": cancel, "used": json.loads(state)["used"] if state else None}
-                for run_id, status, generation, holder, until, waits, why, cancel, state in self._sql(
-                    "SELECT run_id, status, generation, holder, lease_until, waits, why, cancel, state FROM "
-                    "agent_loop_runs ORDER BY added, run_id")]
-        jobs = [dict(zip(("id", "owner", "kind", "state", "attempt", "done", "total", "holder", "until", "error"), row))
-                for row in self._sql("SELECT id, owner, kind, state, attempt, done, total, holder, lease_until, error "
-                                     "FROM agent_loop_jobs ORDER BY id")]
-        return {"runs": runs, "jobs": jobs}
+        return _overview(self._sql)
 
     @_on_its_thread
     def trace(self, run_id, after=0):
         """The run's trace events as saved, after the cursor `after`, oldest first, each with its "seq" (the first is
         1): another process follows a run as it goes, and picks up where it left off."""
-        if type(after) is not int:
-            raise ValueError("after must be an int")
-        return [{"seq": seq, **json.loads(body)} for seq, body in self._sql(
-            "SELECT seq, body FROM agent_loop_events WHERE run_id = ? AND seq > ? ORDER BY seq", (run_id, after))]
+        return _trace(self._sql, run_id, after)
+
+    def _cancel_jobs(self, run_id):
+        """Ask each unfinished job the run submitted to cancel: a queued one is cancelled, a running one asked."""
+        for job_id, state, attempt in self._sql("SELECT id, state, attempt FROM agent_loop_jobs WHERE run_id = ? AND "
+                                                "state IN ('queued', 'running')", (run_id,)).fetchall():
+            self._job_ends(job_id, "cancelled" if state == "queued" else "cancel_requested", attempt)
 
     # Jobs: work that outlives a call. Its owner submits it and holds a receipt; a worker claims it under a lease,
     # reports its progress, and finishes or fails it; the owner follows its events and fetches its result later.
 
     @_on_its_thread
-    def submit(self, owner, action_key, kind, params, deadline_seconds=None, max_attempts=2):
+    def submit(self, owner, action_key, kind, params, deadline_seconds=None, max_attempts=2, run_id=None):
         """The job's receipt ({"id", "state", "attempt", "done", "total", "error"}), once it is saved. The owner's
-        key again, with the same kind and params, is the same job: its receipt as it stands; with others, JobError
-        "key_conflict", and nothing changes. A new job beyond max_jobs unfinished ones: JobError "queue_full". Its
-        deadline is deadline_seconds from now; its attempts, max_attempts: the first submit's."""
+        key again, with the same kind and params, is the same job: its receipt as it stands (a job queued past its
+        deadline failed); with others, JobError "key_conflict", and nothing changes. A new job beyond max_jobs
+        unfinished ones: JobError "queue_full". Its deadline is deadline_seconds from now; its attempts,
+        max_attempts: the first submit's. run_id: the named run that submits it (PART 15), which waits for it."""
         for name, text in (("owner", owner), ("action_key", action_key), ("kind", kind)):
             if not _a_name(text):
                 raise ValueError(f"{name} must be a string of 1 to 80 printable characters")
@@ -3137,15 +3145,17 @@ class SqlStore(Store):
             raise ValueError("deadline_seconds must be a finite number > 0, or None")
         if type(max_attempts) is not int or not 1 <= max_attempts <= _MOST:
             raise ValueError("max_attempts must be an int >= 1")
+        if run_id is not None:
+            _checked_run_id(run_id)
         request = _utf8_json([kind, params]).decode()
         try:
-            return self._submitted(owner, action_key, kind, params, request, deadline_seconds, max_attempts)
+            return self._submitted(owner, action_key, kind, params, request, deadline_seconds, max_attempts, run_id)
         except self.error as error:
             if self.dialect["trouble"](error) == _BUSY:
                 raise JobError("busy") from None
             raise
 
-    def _submitted(self, owner, action_key, kind, params, request, deadline_seconds, max_attempts):
+    def _submitted(self, owner, action_key, kind, params, request, deadline_seconds, max_attempts, run_id):
         with self._transaction(self.dialect["jobs"]):  # one submit at a time: ids, keys and the queue's size
             now = self._now()
             row = self._sql("SELECT id, request FROM agent_loop_jobs WHERE owner = ? AND action_key = ?",
@@ -3153,6 +3163,7 @@ class SqlStore(Store):
             if row is not None:
                 if row[1] != request:
                     raise JobError("key_conflict")
+                self._expire(row[0], now)
                 return self._receipt(row[0])
             (unfinished,) = self._sql(f"SELECT COUNT(*) FROM agent_loop_jobs WHERE state IN {_UNFINISHED!r}").fetchone()
             if self.max_jobs is not None and unfinished >= self.max_jobs:
@@ -3160,16 +3171,21 @@ class SqlStore(Store):
             (last,) = self._sql("SELECT MAX(id) FROM agent_loop_jobs").fetchone()
             job_id = (last or 0) + 1
             self._sql("INSERT INTO agent_loop_jobs (id, owner, action_key, kind, params, request, state, attempt, "
-                      "max_attempts, deadline, submitted, done, total) VALUES (?, ?, ?, ?, ?, ?, 'queued', 0, ?, ?, ?, "
-                      "0, 0)", (job_id, owner, action_key, kind, json.dumps(params), request, max_attempts,
-                                None if deadline_seconds is None else now + deadline_seconds, now))
+                      "max_attempts, deadline, submitted, done, total, run_id) VALUES (?, ?, ?, ?, ?, ?, 'queued', 0, "
+                      "?, ?, ?, 0, 0, ?)", (job_id, owner, action_key, kind, json.dumps(params), request, max_attempts,
+                                            None if deadline_seconds is None else now + deadline_seconds, now, run_id))
             self._job_event(job_id, "submitted", 0)
             return self._receipt(job_id)
 
     @_on_its_thread
     def status(self, owner, job_id):
-        """The owner's job's receipt as it stands; None for a job that is not the owner's, or not there."""
-        return self._receipt(job_id) if self._owns(owner, job_id) else None
+        """The owner's job's receipt as it stands (one queued past its deadline has failed: deadline_exceeded); None
+        for a job that is not the owner's, or not there."""
+        if not self._owns(owner, job_id):
+            return None
+        with self._transaction():
+            self._expire(job_id, self._now())
+        return self._receipt(job_id)
 
     @_on_its_thread
     def events(self, owner, job_id, after=0):
@@ -3318,6 +3334,12 @@ class SqlStore(Store):
                 return "queued"
             self._job_ends(job_id, "failed", attempt, error)
             return "failed"
+
+    def _expire(self, job_id, now):
+        """Fail the job if it waits in the queue past its deadline: no worker will ever start it."""
+        row = self._job(job_id)
+        if row is not None and row[0] == "queued" and row[6] is not None and row[6] <= now:
+            self._job_ends(job_id, "failed", row[1], "deadline_exceeded")
 
     def _owns(self, owner, job_id):
         return type(job_id) is int and 0 < job_id <= _MOST and type(owner) is str and self._sql(
@@ -3501,6 +3523,29 @@ _DIALECTS = {
 }
 
 
+def _overview(sql):
+    """overview() on sql(statement, parameters), a function that runs a query and gives its rows."""
+    runs = [{"run_id": run_id, "status": status, "generation": generation, "holder": holder, "until": until,
+             "waits": waits, "why": why, "cancel": cancel, "used": json.loads(state)["used"] if state else None}
+            for run_id, status, generation, holder, until, waits, why, cancel, state in sql(
+                "SELECT run_id, status, generation, holder, lease_until, waits, why, cancel, state FROM "
+                "agent_loop_runs ORDER BY added, run_id")]
+    jobs = [dict(zip(("id", "owner", "kind", "state", "attempt", "done", "total", "holder", "until", "error"), row))
+            for row in sql("SELECT id, owner, kind, state, attempt, done, total, holder, lease_until, error FROM "
+                           "agent_loop_jobs ORDER BY id")]
+    return {"runs": runs, "jobs": jobs}
+
+
+def _trace(sql, run_id, after):
+    """trace() on sql(statement, parameters)."""
+    _checked_run_id(run_id)
+    if type(after) is not int:
+        raise ValueError("after must be an int")
+    return [{"seq": seq, **json.loads(body)} for seq, body in sql(
+        "SELECT seq, body FROM agent_loop_events WHERE run_id = ? AND seq > ? ORDER BY seq",
+        (run_id, min(max(after, -1), 2**62)))]
+
+
 class SqliteStore(SqlStore):
     """A store in an SQLite file of its own (or ":memory:", for tests), opened on the standard library's sqlite3: a
     file with tables, and none of them a store's, is refused. The workers that share it share one machine (the
@@ -3539,7 +3584,7 @@ CREATE TABLE IF NOT EXISTS agent_loop_jobs (id BIGINT PRIMARY KEY, owner TEXT NO
     kind TEXT NOT NULL, params TEXT NOT NULL, request TEXT NOT NULL, state TEXT NOT NULL, attempt INTEGER NOT NULL,
     max_attempts INTEGER NOT NULL, deadline DOUBLE PRECISION, submitted DOUBLE PRECISION NOT NULL,
     not_before DOUBLE PRECISION, holder TEXT, lease_until DOUBLE PRECISION, done INTEGER NOT NULL,
-    total INTEGER NOT NULL, error TEXT, result TEXT, fingerprint TEXT, UNIQUE (owner, action_key));
+    total INTEGER NOT NULL, error TEXT, result TEXT, fingerprint TEXT, run_id TEXT, UNIQUE (owner, action_key));
 CREATE TABLE IF NOT EXISTS agent_loop_job_events (job_id BIGINT NOT NULL, seq INTEGER NOT NULL, body TEXT NOT NULL,
     PRIMARY KEY (job_id, seq));
 """
@@ -3547,7 +3592,7 @@ _STORE_COLUMNS = ("run_id, generation, added, config, started, state, status, an
                   "claims, why, cancel FROM agent_loop_runs", "run_id, round, body FROM agent_loop_records",
                   "run_id, seq, body FROM agent_loop_events",
                   "id, owner, action_key, kind, params, request, state, attempt, max_attempts, deadline, submitted, "
-                  "not_before, holder, lease_until, done, total, error, result, fingerprint FROM agent_loop_jobs",
+                  "not_before, holder, lease_until, done, total, error, result, fingerprint, run_id FROM agent_loop_jobs",
                   "job_id, seq, body FROM agent_loop_job_events")
 
 # PART 12: a call's attempts: a read tried again after a transient failure, unseen by the model (full jitter, inside
@@ -3684,8 +3729,8 @@ class Catalog:
         _checked_registry({name: spec})
         if spec.parameters is None:
             raise ValueError(f"{name}: a catalog entry declares its parameters: they are what a model is told")
-        if spec.retries:
-            raise ValueError(f"{name}: a catalog tool is tried once: retries are for the registry's tools (PART 12)")
+        if spec.retries or spec.job:
+            raise ValueError(f"{name}: retries and jobs are for the registry's tools (PART 12, 15): a catalog's runs once")
         if type(keywords) not in (list, tuple, set, frozenset) or not all(type(word) is str for word in keywords):
             raise ValueError(f"{name}: keywords must be a collection of strings")
         if type(permission) is not str or not permission:
@@ -4182,6 +4227,9 @@ class _JobRuns(Part):
         jobs = [name for name, spec in run.registry.items() if spec.job]
         if not jobs:
             return None
+        for name in jobs:
+            if not _a_name(name):
+                raise ValueError(f"{name[:80]}: a job tool's name is its jobs' kind: 1 to 80 printable characters")
         if given["store"] is None:
             raise ValueError(f"{jobs[0]}: a job tool needs a store: run_agent(..., store=..., run_id=...)")
         if not all(callable(getattr(given["store"], name, None)) for name in ("submit", "status", "result")):
@@ -4195,21 +4243,36 @@ class _JobRuns(Part):
         return ended
 
     async def after_call(self, run, obs, item):
-        """A job submitted: its call waits for it (a failure no model reads, for the run pauses on it)."""
-        data = obs.get("data") if obs["ok"] and run.registry[item["name"]].job else None
-        return self._waiting(item, data["job"]) if type(data) is dict and type(data.get("job")) is dict else obs
+        """A job submitted: its call waits for it (a failure no model reads, for the run pauses on it). A submit
+        that failed or was cut is asked again under its key, the same job: it may have been saved all the same."""
+        if not run.registry[item["name"]].job:
+            return obs
+        data = obs.get("data") if obs["ok"] else None
+        if type(data) is dict and type(data.get("job")) is dict:
+            return await self._ended(item, data["job"])
+        with contextlib.suppress(Exception):  # the store failed again: the failure stands (a write is reconciled)
+            return await self._ended(item, await self._submit(run, item))
+        return obs
 
     async def settle(self, run, value, record):
-        """Each job call of the run's last round that waits, or that a crash cut: its job asked about (submitted
-        again under its key: the same job), its observation the job's once it has ended."""
+        """Each job call of the run's last round that waits, or that a crash cut and that may have started (in a
+        serial batch, the first cut call, and none after a failure): its job asked about (submitted again under
+        its key: the same job), its observation the job's once it has ended."""
+        serial, blocked = not _parallel(run.registry, record["calls"]), False
         for index, (item, obs) in enumerate(zip(record["calls"], record["observations"])):
-            if item["name"] in run.registry and run.registry[item["name"]].job and not obs["ok"] and \
-                    obs["error"] in ("awaiting_job", "interrupted", "unknown_outcome"):
-                receipt = await self._submit(run, item)
-                record["observations"][index] = await self._ended(item, receipt)
+            job = item["name"] in run.registry and run.registry[item["name"]].job
+            waits = not obs["ok"] and obs["error"] == "awaiting_job"
+            cut = not obs["ok"] and obs["error"] in ("interrupted", "unknown_outcome") and not (serial and blocked)
+            if job and (waits or cut):
+                try:
+                    receipt = await self._submit(run, item)
+                except Exception as error:
+                    raise Stop("store_failed", error_type=_error_type(error)) from None
+                obs = record["observations"][index] = await self._ended(item, receipt)
                 if receipt["state"] in JOB_STATES[3:]:
                     await run.emit({"event": "job", "round": record["round"], "call_id": item["call_id"],
                                     "job": receipt["id"], "state": receipt["state"], **run.used}, spent=True)
+            blocked = blocked or _fatal(obs) or not obs["ok"] and obs["error"] == "interrupted"
         return value
 
     async def named(self, run, names):
@@ -4219,15 +4282,22 @@ class _JobRuns(Part):
         return {**names, "pending": pending} if pending else names
 
     async def _submit(self, run, item):
+        """The receipt of the call's job, submitted under its key (the same job, if it was before); None if the
+        store refuses it (JobError: its queue is full, say)."""
         key = idempotency_key(self.run_id, item["call_id"], getattr(self.store, "store_id", ""))
-        return await _off_the_loop(self.store, partial(self.store.submit, deadline_seconds=run.limits.job_seconds),
-                                   self.run_id, key, item["name"], _copy(item["arguments"]))
+        submit = partial(self.store.submit, deadline_seconds=run.limits.job_seconds, run_id=self.run_id)
+        try:
+            return await _off_the_loop(self.store, submit, self.run_id, key, item["name"], _copy(item["arguments"]))
+        except JobError as refused:
+            return {"id": None, "state": "refused", "error": refused.code}
 
     def _waiting(self, item, receipt):
         return _failure(item, "awaiting_job", False, job=receipt["id"])
 
     async def _ended(self, item, receipt):
-        """The observation of a job call, as its job stands: waiting, or its end."""
+        """The observation of a job call, as its job stands: waiting, or its end (or a submit the store refused)."""
+        if receipt["state"] == "refused":
+            return _failure(item, "job_failed", True, reason=receipt["error"])
         if receipt["state"] == "succeeded":
             got = await _off_the_loop(self.store, self.store.result, self.run_id, receipt["id"])
             return {**_copy(item), "ok": True, "data": got["result"], "job": receipt["id"]}
@@ -4274,6 +4344,14 @@ class _JobTools:
         if not self.run.registry[call["name"]].job:
             return await self.tools.invoke(call)
         return {"job": await self.part._submit(self.run, call)}
+
+    async def reconcile(self, call):
+        """Whether a write applied, as the tools say; a job write's, None: the store knows, and the run asks it under
+        its key when it goes on (never the tools, which know nothing of the job)."""
+        if call["name"] in self.run.registry and self.run.registry[call["name"]].job:
+            return None
+        reconcile = getattr(self.tools, "reconcile", None)
+        return await reconcile(call) if callable(reconcile) else None
 
     def __getattr__(self, name):  # reconcile and the rest: the run's own tools' (never while it is made, or copied)
         if name.startswith("__") or "tools" not in self.__dict__:
@@ -5810,21 +5888,34 @@ def _job_line(job, now):
 
 async def see_store(path, follow=None):
     """Print a SQLite store's runs and jobs, a line each; or, following a run, each of its events as it is saved,
-    until it ends (a pause is no end: it goes on once the run does)."""
-    with SqliteStore(path) as store:
+    until the run has ended (a pause is no end: it goes on once the run does). The file is read, never written: a
+    reader of the write-ahead log goes on beside a writer."""
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5, check_same_thread=False)
+    sql = lambda statement, parameters=(): db.execute(statement, parameters).fetchall()  # noqa: E731
+    try:
+        tables = {name for name, in sql(_DIALECTS["sqlite3"]["tables"])}
+        version = dict(sql("SELECT key, value FROM agent_loop_meta")).get("version") if "agent_loop_meta" in tables \
+            else None
+        if version != str(STORE_VERSION):
+            raise ValueError(f"{path}: not a store" if version is None else f"{path}: a store of another version")
         if follow is None:
-            seen, now = await _off_the_loop(store, store.overview), time.time()
+            seen, now = await asyncio.to_thread(_overview, sql), time.time()
             lines = [_run_line(run, now) for run in seen["runs"]] + [_job_line(job, now) for job in seen["jobs"]]
             print("\n".join(lines or ["(an empty store)"]))
             return
-        after, pauses = 0, ("awaiting_approval", "unknown_outcome", *_declared("pauses"))
+        after = 0
         while True:
-            for event in await _off_the_loop(store, store.trace, follow, after):
+            for event in await asyncio.to_thread(_trace, sql, follow, after):
                 after = event.pop("seq")
                 print(json.dumps(event, ensure_ascii=False), flush=True)
-                if event["event"] == "stop" and event.get("status") not in pauses:
-                    return
+            ended = await asyncio.to_thread(sql, "SELECT status FROM agent_loop_runs WHERE run_id = ?", (follow,))
+            if ended and ended[0][0] is not None and not await asyncio.to_thread(_trace, sql, follow, after):
+                return
             await asyncio.sleep(0.1)
+    except sqlite3.Error as error:
+        raise ValueError(f"{path}: {_sqlite3_trouble(error) or 'not a store'}") from None
+    finally:
+        db.close()
 
 
 def _store_options(parser):

@@ -5711,12 +5711,15 @@ class WriteTests(StoreTestCase):
         store = self.store()
         await self.order(store, approve=lambda write: "ask")
 
+        resumed = []
+
         async def crash_at(event):
             if event["event"] == "resumed":
-                await asyncio.sleep(60)  # saved, before the decision is; then the process dies
+                resumed.append(event)
+                await asyncio.sleep(60)  # resumed, before anything else is saved; then the process dies
 
         task = asyncio.create_task(self.order(store, approvals={"r3-order": "approve"}, on_event=crash_at))
-        await wait_until(lambda: "resumed" in [e["event"] for e in store.load("order")["trace"][-1:]])
+        await wait_until(lambda: resumed)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         desk = agent_loop.OrderDesk(delays={})
@@ -5852,8 +5855,10 @@ class WriteTests(StoreTestCase):
         self.assertEqual(done["status"], "completed")
         self.assertEqual(await self.order(store, approvals={"r3-order": "approve"}), done)
         for approvals in ({"r3-order": "reject"}, {"nope": "approve"}):
-            with self.subTest(approvals=approvals), self.assertRaisesRegex(ValueError, "not a write awaiting"):
+            with self.subTest(approvals=approvals), self.assertRaises(ValueError) as refused:
                 await self.order(store, approvals=approvals)
+            self.assertEqual(str(refused.exception),
+                             f"{list(approvals)[0]}: the run has ended, completed: no write of it awaits approval")
 
     async def test_tools_whose_reconcile_is_not_async_are_refused_before_the_model_is_asked(self):
         class Plain(agent_loop.OrderDesk):
@@ -7771,7 +7776,7 @@ class CatalogTests(RuntimeTestCase):
         with self.assertRaises(ValueError) as refused:
             catalog.add("flaky", ToolSpec(1, True, True, parameters=ORDER, retries=2), permission="p")
         self.assertEqual(str(refused.exception),
-                         "flaky: a catalog tool is tried once: retries are for the registry's tools (PART 12)")
+                         "flaky: retries and jobs are for the registry's tools (PART 12, 15): a catalog's runs once")
         self.assertEqual(catalog.entries, {})
 
     async def test_the_tools_object_is_checked_against_every_entry_before_the_model_is_asked(self):
@@ -7862,6 +7867,28 @@ class CatalogTests(RuntimeTestCase):
 
 
 # PART 15: a run that waits for its jobs without holding a process; runs cancelled and followed from anywhere
+
+JOB_X = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"], "additionalProperties": False}
+
+
+class JobRunTools:
+    """The tools of the job runs' tests: every call answers with its arguments; rd fails with x=0."""
+
+    def __init__(self):
+        self.asked = []
+
+    async def invoke(self, call):
+        if call["name"] == "rd" and call["arguments"]["x"] == 0:
+            raise RuntimeError("private")
+        return {"got": call["arguments"]}
+
+
+JOB_RUN_OPTIONS = dict(registry={
+    "ja": ToolSpec(1, True, False, parameters=JOB_X, job=True), "jb": ToolSpec(1, True, False, parameters=JOB_X, job=True),
+    "jp": ToolSpec(1, True, True, parameters=JOB_X, job=True), "jw": ToolSpec(1, False, False, parameters=JOB_X, job=True),
+    "rd": ToolSpec(1, True, True, parameters=JOB_X), "wr": ToolSpec(1, False, False, parameters=JOB_X)},
+    accept=any_answer, fixtures=JobRunTools(), limits=dataclasses.replace(ROOMY, calls=20, credits=100))
+
 
 class JobRunTests(LeaseCase):
     """PART 15 and PART 11: job tools in a named run, awaiting_job and going on; a run cancelled and followed from
@@ -8048,6 +8075,148 @@ class JobRunTests(LeaseCase):
             self.assertEqual(store.claim_next(), "other")
             now[0] += 2
         self.assertIsNone(store.claim_next())
+
+    def jobs_of(self, store):
+        return [(job["id"], job["kind"], job["state"]) for job in store.overview()["jobs"]]
+
+    async def test_a_serial_batch_cut_after_its_first_job_was_submitted_submits_no_other(self):
+        ready = os.path.join(self.folder, "submitted")
+        run_in_a_process("serial_jobs_run", self.kind(), self.where, ready, kill_when=ready)
+        store = self.store()
+        paused = await run_agent(scripted(calls(call("a", "ja", x=1), call("b", "jb", x=2))), **JOB_RUN_OPTIONS,
+                                 store=store, run_id="serial")
+        self.assertEqual([(obs["call_id"], obs["error"]) for obs in observations(paused)],
+                         [("a", "awaiting_job"), ("b", "interrupted")])  # b never started: it waited for a
+        self.assertEqual(self.jobs_of(store), [(1, "ja", "queued")])
+
+    async def test_a_submit_that_outlived_its_time_limit_is_the_same_job_not_a_second(self):
+        class Slow(agent_loop.SqlStore):
+            submits = 0
+
+            def submit(self, *args, **options):
+                Slow.submits += 1
+                if Slow.submits == 1:
+                    time.sleep(0.5)  # past the call's tool_seconds; it commits all the same
+                return super().submit(*args, **options)
+
+        store = Slow(self.connect)
+        self.addCleanup(store.close)
+        result = await run_agent(scripted(calls(call("w1", "jw", x=1)), calls(call("w2", "jw", x=1))),
+                                 **{**JOB_RUN_OPTIONS, "limits": dataclasses.replace(ROOMY, tool_seconds=0.2)},
+                                 store=store, run_id="slow", approve=lambda write: "approve")
+        self.assertEqual((result["status"], result["pending"][0]["call_id"]), ("awaiting_job", "w1"))
+        self.assertEqual(self.jobs_of(store), [(1, "jw", "queued")])
+
+    async def test_a_cancel_asked_while_a_writes_outcome_is_unknown_ends_the_run_once_it_is_settled(self):
+        said = [None]
+
+        class Unsure(JobRunTools):
+            async def invoke(self, call):
+                if call["name"] == "wr":
+                    await asyncio.sleep(10)  # applied, never answers
+                return await super().invoke(call)
+
+            async def reconcile(self, call):
+                self.asked.append(call["call_id"])
+                return said[0]
+
+        store = self.store()
+        options = {**JOB_RUN_OPTIONS, "store": store, "run_id": "w",
+                   "limits": dataclasses.replace(ROOMY, tool_seconds=0.2)}
+        model = scripted(calls(call("w", "wr", x=1)), final("done"))
+        paused = await run_agent(model, **{**options, "fixtures": Unsure()}, approve=lambda write: "approve")
+        self.assertEqual(paused["status"], "unknown_outcome")
+        self.assertEqual(store.cancel_run("w", by="ops"), "cancel_requested")  # not ended: its write is unknown
+        tools = Unsure()
+        still = await run_agent(model, **{**options, "fixtures": tools})
+        self.assertEqual((still["status"], tools.asked, store.load("w")["status"]), ("cancelled", ["w"], None))
+        said[0], tools = {"applied": True, "data": {"placed": 1}}, Unsure()
+        ended = await run_agent(model, **{**options, "fixtures": tools})
+        self.assertEqual((ended["status"], ended["trace"][-1]["by"], tools.asked), ("cancelled", "ops", ["w"]))
+        self.assertEqual((observations(ended)[0]["reconciled"], store.load("w")["status"]), (True, "cancelled"))
+
+    async def test_an_ended_runs_jobs_are_asked_to_cancel_whatever_ended_it(self):
+        store = self.store()
+
+        class Asked(agent_loop.SqlStore):
+            def submit(self, *args, **options):  # another process asks to cancel the run just before the submit
+                if not self.asked:
+                    self.asked = True
+                    store.cancel_run("race", by="ops")
+                return super().submit(*args, **options)
+
+        racing = Asked(self.connect)
+        racing.asked = False
+        self.addCleanup(racing.close)
+        cancelled = await run_agent(scripted(calls(call("a", "ja", x=1))), **JOB_RUN_OPTIONS, store=racing,
+                                    run_id="race")
+        failing = await run_agent(scripted(calls(call("b", "rd", x=0), call("c", "jp", x=1))), **JOB_RUN_OPTIONS,
+                                  store=store, run_id="fails")
+        self.assertEqual((cancelled["status"], failing["status"]), ("cancelled", "tool_exception"))
+        self.assertEqual(self.jobs_of(store), [(1, "ja", "cancelled"), (2, "jp", "cancelled")])
+
+    async def test_a_job_past_its_deadline_while_the_run_waits_lets_the_run_go_on(self):
+        now = [time.time()]
+        store = self.store(clock=lambda: now[0])
+        options = {**JOB_RUN_OPTIONS, "store": store, "run_id": "late",
+                   "limits": dataclasses.replace(JOB_RUN_OPTIONS["limits"], job_seconds=10)}
+        model = scripted(calls(call("a", "ja", x=1)), final("done"))
+        await run_agent(model, **options)
+        now[0] += 1000  # no worker ever took it
+        self.assertEqual(store.claim_next(), "late")  # its job has ended: past its deadline
+        result = await run_agent(model, **options)
+        (obs,) = observations(result)
+        self.assertEqual((result["status"], obs["error"], obs["reason"]), ("completed", "job_failed",
+                                                                           "deadline_exceeded"))
+
+    async def test_a_job_the_store_refuses_is_a_failed_observation_never_an_exception(self):
+        store = self.store(max_jobs=1)
+        store.submit("someone", "k", "export", {})  # the queue is full
+        result = await run_agent(scripted(calls(call("a", "ja", x=1)), final("done")), **JOB_RUN_OPTIONS,
+                                 store=store, run_id="full")
+        (obs,) = observations(result)
+        self.assertEqual((result["status"], obs["error"], obs["reason"], obs["retryable"]),
+                         ("completed", "job_failed", "queue_full", True))
+
+    async def test_what_a_job_tool_must_be_is_refused_before_the_model_is_asked(self):
+        long = "j" * 81
+        await self.assertRefusedBeforeTheModelIsAsked(
+            f"{long[:80]}: a job tool's name is its jobs' kind: 1 to 80 printable characters",
+            registry={long: ToolSpec(1, True, False, parameters=JOB_X, job=True)}, accept=any_answer,
+            fixtures=JobRunTools(), store=self.store(), run_id="r")
+        with self.assertRaises(ValueError):
+            agent_loop.Catalog().add("export", ToolSpec(1, True, True, parameters=JOB_X, job=True), permission="p")
+
+    def test_a_claim_by_name_that_ended_otherwise_starts_the_count_again(self):
+        now = [0.0]
+        store = self.store(lease_seconds=1, clock=lambda: now[0], max_claims=1)
+        store.add("r")
+        generation = store.leased[store.claim_next()]
+        store.save("r", generation, {**agent_loop._NOTHING_SAVED, "paused_at": 1.0}, [], [])  # it paused: ended
+        store.claim("r", "{}", 0.0)  # a claim by name, whose process then dies
+        now[0] += 2
+        self.assertEqual(store.claim_next(), "r")  # handed out once in a row, not twice
+        now[0] += 2
+        self.assertIsNone(store.claim_next())  # that one died too: set aside
+
+    async def test_a_job_of_another_program_with_the_runs_id_as_owner_is_not_the_runs(self):
+        store = self.store()
+        other = store.submit("r", "my-own-key", "nightly_export", {"month": "2026-08"})
+        await run_agent(scripted(calls(call("a", "ja", x=1)), final("done")), **JOB_RUN_OPTIONS, store=store,
+                        run_id="r")
+        job = store.claim_job(["ja"])
+        store.finish(job["id"], job["attempt"], {"v": 1})
+        self.assertEqual(store.claim_next(), "r")  # the other program's job is not one it waits for
+        self.assertEqual((store.cancel_run("r"), store.status("r", other["id"])["state"]), ("cancel_requested",
+                                                                                          "queued"))
+
+    def test_a_trace_is_asked_with_any_cursor_and_a_run_id(self):
+        store = self.store()
+        asyncio.run(run_agent(store=store, run_id="t", limits=ROOMY))
+        self.assertEqual((store.trace("t", 2**70), len(store.trace("t", -2**70))), ([], len(store.load("t")["trace"])))
+        for call in (lambda: store.trace(["t"]), lambda: store.cancel_run({"a": 1}), lambda: store.trace("t", 1.0)):
+            with self.assertRaises(ValueError):
+                call()
 
     def test_a_pool_of_run_workers_and_job_workers_one_of_each_killed_ends_every_run_once_each_job_once(self):
         queue = self.store()
@@ -9033,6 +9202,49 @@ class JobsChapterTests(unittest.TestCase):
 class SeeStoreTests(LeaseCase):
     """PART 22: python3 agent_loop.py store PATH: a SQLite store's runs and jobs, a line each; a run followed."""
 
+    def test_the_store_is_read_never_written_and_a_writer_holding_it_does_not_stop_the_reader(self):
+        empty = os.path.join(self.folder, "empty.db")
+        open(empty, "w").close()
+        done = run_command("store", empty)
+        self.assertEqual((done.returncode, done.stderr.splitlines()[-1].endswith(": not a store"),
+                          os.path.getsize(empty)), (2, True, 0))
+        store = self.store()
+        store.add("r")
+        writer = self.connect()
+        writer.execute("BEGIN IMMEDIATE")  # another connection writes meanwhile
+        try:
+            listed = run_command("store", self.where)
+        finally:
+            writer.execute("ROLLBACK")
+            writer.close()
+        self.assertEqual((listed.returncode, listed.stdout.split()[:3]), (0, ["run", "r", "queued"]))
+
+    async def test_a_follower_goes_on_past_a_pause_until_the_run_has_ended(self):
+        class Hangs:
+            async def invoke(self, call):
+                await asyncio.sleep(10)  # the run's deadline cuts the write: its outcome unknown, the run pauses
+
+            async def reconcile(self, call):
+                return self.said
+
+        store, tools = self.store(), Hangs()
+        store.add("r")
+        follower = subprocess.Popen(["python3" if False else sys.executable, os.path.join(HERE, "agent_loop.py"),
+                                     "store", self.where, "--follow", "r"], stdout=subprocess.PIPE, text=True)
+        self.addCleanup(follower.kill)
+        options = dict(registry={"wr": ToolSpec(1, False, False, parameters=JOB_X)}, accept=any_answer,
+                       fixtures=tools, store=store, run_id="r", limits=Limits(tool_seconds=5, total_seconds=0.5))
+        tools.said = None
+        paused = await run_agent(scripted(calls(call("w", "wr", x=1)), final("done")), approve=lambda w: "approve",
+                                 **options)
+        self.assertEqual((paused["status"], "unknown" in paused), ("deadline", True))
+        await asyncio.sleep(0.5)
+        self.assertIsNone(follower.poll())  # a pause: it follows on
+        tools.said = {"applied": True, "data": {"placed": 1}}
+        ended = await run_agent(scripted(calls(call("w", "wr", x=1)), final("done")), **options)
+        out, _ = follower.communicate(timeout=60)
+        self.assertEqual([json.loads(line) for line in out.splitlines()], ended["trace"])
+
     def test_see_a_store_lists_runs_and_jobs_and_follows_a_run(self):
         store = self.store()
         store.add("queued")
@@ -9962,11 +10174,29 @@ def frozen_job_worker(kind, where, ready):
         store.progress(job["id"], job["attempt"], 1, 2)
 
 
+def serial_jobs_run(kind, where, ready):
+    """A serial batch of two job calls, run by name; once the first's submit has committed, it writes ready and
+    hangs: the parent kills it there."""
+    class Submitted(agent_loop.SqlStore):
+        def submit(self, *args, **options):
+            receipt = super().submit(*args, **options)
+            open(ready, "w").close()
+            time.sleep(600)
+            return receipt
+
+    async def main():
+        with store_of(kind, where, Submitted) as store:
+            await run_agent(scripted(calls(call("a", "ja", x=1), call("b", "jb", x=2))), **JOB_RUN_OPTIONS,
+                            store=store, run_id="serial")
+
+    asyncio.run(main())
+
+
 CHILDREN = {"mcp_server": mcp_server, "crashing_run": crashing_run, "writing_run": writing_run,
             "pool_worker": pool_worker, "frozen_worker": frozen_worker, "catalog_run": catalog_run,
             "job_worker": job_worker, "job_run": job_run, "slow_run": slow_run, "cancel_run": cancel_run,
             "follow": follow, "job_pool_worker": job_pool_worker,
-            "frozen_job_worker": frozen_job_worker}  # what `python3 test_agent_loop.py child NAME ARGS` runs
+            "frozen_job_worker": frozen_job_worker, "serial_jobs_run": serial_jobs_run}  # what `python3 test_agent_loop.py child NAME ARGS` runs
 
 
 def postgres_connection(conninfo, schema):
