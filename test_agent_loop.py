@@ -1937,8 +1937,8 @@ class WatcherTests(RuntimeTestCase):
 
         for watcher in (raises, hangs):
             with self.subTest(watcher=watcher.__name__):
-                limits = dataclasses.replace(ROOMY, tool_seconds=0.05)
-                result = await run_agent(on_event=watcher, limits=limits)
+                limits = dataclasses.replace(ROOMY, tool_seconds=0.05)  # a hanging watcher's wait: its tools are instant
+                result = await run_agent(on_event=watcher, limits=limits, fixtures=Fixtures(delays={}))
                 self.assertEqual((result["status"], result["used"]), ("completed", {"rounds": 3, "calls": 3, "credits": 17}))
                 self.assertNoPrivateText(result)
                 self.assertNoTaskLeft()
