@@ -1004,7 +1004,8 @@ class Part:
     A later part subclasses Part and declares what it adds: statuses and errors (the stop statuses and observation
     errors; every_status() and every_error() give the module's), pauses (statuses that pause a named run, as
     awaiting_approval does, rather than end it), refusals (names for on_refused: policy(stop, decision, turn, run)
-    gives the round a refused batch becomes, or None), commands (name: (help, options(parser), async run(args,
+    gives the round a refused batch becomes, or None), settled (observation errors that say a write's fate: it
+    is not reconciled), commands (name: (help, options(parser), async run(args,
     parser)); a later part's replaces an earlier one of its name) and options (the run_agent keywords it takes).
     join(run, given) makes its seams for a run given those options (or whose registry or limits ask for the part: a
     read with retries, a job tool), or None: a run that asks for none of a part meets none of its seams, and the
@@ -1026,7 +1027,7 @@ class Part:
       end(result): the result that run_agent returns;
       close(None): run_agent has returned, or was cut."""
 
-    statuses = errors = options = pauses = ()
+    statuses = errors = options = pauses = settled = ()
     refusals = commands = types.MappingProxyType({})
     last = False
 
@@ -2276,10 +2277,11 @@ class _Journal(Part):
         for calls that wait for none."""
         state = saved["state"] if saved else _NOTHING_SAVED
         if self.approve is not None or self.approvals or state["writes"]:
-            check, reconcile = (getattr(type(run.tools), name, None) for name in ("check_writes", "reconcile"))
+            tools = _unwrapped(run.tools)
+            check, reconcile = (getattr(type(tools), name, None) for name in ("check_writes", "reconcile"))
             if check is not None:
                 writes = (name for name, spec in run.registry.items() if not spec.read_only and not spec.job)
-                check(run.tools, sorted(writes))  # (a job tool's work is a job worker's)
+                check(tools, sorted(writes))  # (a job tool's work is a job worker's)
             if reconcile is not None and _is_async(reconcile) is False:
                 raise ValueError("reconcile: the tools' reconcile must be async (FunctionTools takes a plain function)")
         pending = {cid for cid, write in state["writes"].items()
@@ -2382,7 +2384,7 @@ class _Journal(Part):
 
     async def after_call(self, run, obs, item):
         """A write handed to its tool that said nothing of its fate is reconciled."""
-        if item["call_id"] in self.given and not obs["ok"] and obs["error"] not in (*NOT_APPLIED, *_declared("pauses")):
+        if item["call_id"] in self.given and not obs["ok"] and obs["error"] not in (*NOT_APPLIED, *_declared("settled")):
             return await self._reconciled(run, item, settling=False)
         return obs
 
@@ -2403,6 +2405,13 @@ class _Journal(Part):
         status = result["status"]
         self.waits = "approval" if status == "awaiting_approval" else "outcome" if "unknown" in result else \
             status if status in _declared("pauses") else None
+        if self.waits not in ("approval", status):  # an end, or another pause: nothing of it waits for approval
+            result = _not_pending(run, result)
+        if self.waits is None and run.history:  # an end: a call of its last batch that never started was overtaken
+            record = run.history[-1]
+            record["observations"] += [_failure(item, status, False) for item in
+                                       record["calls"][len(record["observations"]):]]
+            result["history"][-1] = _copy(record)
         if self.waits is not None:
             self.paused_at = time.time()  # a pause: its time is not counted against the run's
         try:
@@ -2539,9 +2548,26 @@ class _Journal(Part):
         self._renew_later()
 
 
+def _unwrapped(tools):
+    """The tools object a wrapper wraps, innermost: one whose class says wrapper = True keeps it as its inner (a
+    Timeline's does). What a tools object says of writes (check_writes, reconcile) is its innermost's."""
+    while getattr(type(tools), "wrapper", False) is True and "inner" in getattr(tools, "__dict__", {}):
+        tools = tools.inner
+    return tools
+
+
 def _checked_run_id(run_id):
     if type(run_id) is not str or not 1 <= len(run_id) <= 80 or not run_id.isprintable():
         raise ValueError("run_id must be a string of 1 to 80 printable characters")
+
+
+def _not_pending(run, result):
+    """The result, and its stop event, without "pending": the run ends, or pauses for something else."""
+    if "pending" not in result:
+        return result
+    stop = {key: value for key, value in result["trace"][-1].items() if key != "pending"}
+    run.trace[-1] = _copy(stop)
+    return {**{key: value for key, value in result.items() if key != "pending"}, "trace": [*result["trace"][:-1], stop]}
 
 
 def _unsaved_end(result, lost):
@@ -3094,12 +3120,21 @@ class SqlStore(Store):
             if row is None or row[0] is not None:
                 return None if row is None else row[0]
             self._cancel_jobs(run_id)
-            # A worker holds it, or it waits for a write's outcome to be settled: the cancel is asked, and the run
-            # ends cancelled at its next save (its write settled first, at its next call).
-            if holder is not None and until is not None and until > now or row[2] == "outcome":
+            last = self._sql("SELECT body FROM agent_loop_records WHERE run_id = ? ORDER BY round DESC LIMIT 1",
+                             (run_id,)).fetchone()
+            record = json.loads(last[0]) if last else None
+            cut = record is not None and len(record["observations"]) < len(record["calls"]) and row[2] != "approval"
+            # A worker holds it, a crash cut its batch (whose calls may have run), or it waits for a write's outcome:
+            # the cancel is asked, and the run ends cancelled at its next save, once its resume settled what it must.
+            if holder is not None and until is not None and until > now or row[2] == "outcome" or cut:
                 self._sql("UPDATE agent_loop_runs SET cancel = ? WHERE run_id = ?", (by, run_id))
                 return "cancel_requested"
             state = json.loads(row[1]) if row[1] else _NOTHING_SAVED
+            if record is not None and len(record["observations"]) < len(record["calls"]):  # waited for approvals
+                record["observations"] += [{**item, "ok": False, "error": "cancelled", "retryable": False}
+                                           for item in record["calls"][len(record["observations"]):]]
+                self._sql("UPDATE agent_loop_records SET body = ? WHERE run_id = ? AND round = ?",
+                          (json.dumps(record), run_id, record["round"]))
             stop = {"event": "stop", "status": "cancelled", **state["used"], "by": by, "run_id": run_id}
             (last,) = self._sql("SELECT MAX(seq) FROM agent_loop_events WHERE run_id = ?", (run_id,)).fetchone()
             self._sql("INSERT INTO agent_loop_events VALUES (?, ?, ?)", (run_id, (last or 0) + 1, json.dumps(stop)))
@@ -3148,6 +3183,7 @@ class SqlStore(Store):
         if run_id is not None:
             _checked_run_id(run_id)
         request = _utf8_json([kind, params]).decode()
+        # (A run's submit is fenced as its saves are: a worker that froze past its lease submits nothing on waking.)
         try:
             return self._submitted(owner, action_key, kind, params, request, deadline_seconds, max_attempts, run_id)
         except self.error as error:
@@ -3158,6 +3194,10 @@ class SqlStore(Store):
     def _submitted(self, owner, action_key, kind, params, request, deadline_seconds, max_attempts, run_id):
         with self._transaction(self.dialect["jobs"]):  # one submit at a time: ids, keys and the queue's size
             now = self._now()
+            if run_id is not None:
+                held = self._sql("SELECT holder, lease_until FROM agent_loop_runs WHERE run_id = ?", (run_id,)).fetchone()
+                if held is None or held[0] != self.holder or held[1] is None or held[1] <= now:
+                    raise Superseded(run_id, "stale" if held is None or held[0] != self.holder else "lease_expired")
             row = self._sql("SELECT id, request FROM agent_loop_jobs WHERE owner = ? AND action_key = ?",
                             (owner, action_key)).fetchone()
             if row is not None:
@@ -3176,6 +3216,15 @@ class SqlStore(Store):
                                             None if deadline_seconds is None else now + deadline_seconds, now, run_id))
             self._job_event(job_id, "submitted", 0)
             return self._receipt(job_id)
+
+    @_on_its_thread
+    def job_for(self, owner, action_key):
+        """The receipt of the owner's job of that action key, as status() gives it; None if there is none."""
+        if not _a_name(owner) or not _a_name(action_key):
+            return None
+        row = self._sql("SELECT id FROM agent_loop_jobs WHERE owner = ? AND action_key = ?", (owner, action_key))
+        found = row.fetchone()
+        return None if found is None else self.status(owner, found[0])
 
     @_on_its_thread
     def status(self, owner, job_id):
@@ -3838,6 +3887,12 @@ _CATALOG_SPECS = {
 }
 
 
+def _told_spec(told):
+    """A ToolSpec of a loaded definition: a tool the catalog no longer holds, so that a run that loaded it resumes
+    (its cut call charged nothing: its cost is unknown now; its next call, unknown_tool at the gate)."""
+    return ToolSpec(0, told["effect"] == "read", False, description=told["description"], parameters=told["parameters"])
+
+
 def _loaded(history):
     """{name: definition} of each tool this history loaded (its last load), from its successful load_tools calls: only
     definitions of the shape a load gives, whose digest is that of the rest (a store edited by hand loads nothing)."""
@@ -3902,11 +3957,12 @@ class _CatalogRun(Part):
         # What the tools object can say of the registry's tools (FunctionTools: a function each, a write's key), it
         # says of every entry of the catalog's too: before the model is asked, not when a loaded one is first called.
         entries = {name: entry.spec for name, entry in catalog.entries.items()}
-        check, writes = getattr(type(run.tools), "check_registry", None), getattr(type(run.tools), "check_writes", None)
+        tools = _unwrapped(run.tools)
+        check, writes = getattr(type(tools), "check_registry", None), getattr(type(tools), "check_writes", None)
         if check is not None:
-            check(run.tools, entries)
+            check(tools, entries)
         if writes is not None:
-            writes(run.tools, sorted(name for name, spec in entries.items() if not spec.read_only))
+            writes(tools, sorted(name for name, spec in entries.items() if not spec.read_only))
         part = cls()
         part.catalog, part.grants, part.base, part.loaded, part.offered = catalog, grants, dict(run.registry), {}, False
         part.now = part._granted()
@@ -3926,8 +3982,9 @@ class _CatalogRun(Part):
         """The registry, and each tool this history loaded that the catalog still has: as the version it loaded, if
         the catalog still knows it (its cost is what a batch cut by a crash is charged), else as it stands now."""
         entries, versions = self.catalog.entries, self.catalog.versions
-        return {**registry, **{name: versions[name].get(told["digest"], entries[name].spec)
-                               for name, told in _loaded(history).items() if name in entries and name not in registry}}
+        return {**registry, **{name: versions.get(name, {}).get(told["digest"]) or (
+            entries[name].spec if name in entries else _told_spec(told))  # retired since: as told, charged nothing
+            for name, told in _loaded(history).items() if name not in registry}}
 
     async def offer(self, run, value):
         """The grants read again; the tools this run loaded, and the gate that checks each call of one."""
@@ -3952,8 +4009,12 @@ class _CatalogRun(Part):
             await self.offer(run, None)
             for item in calls:
                 refused = self.authorize(item["name"])
-                if refused:
+                if refused and run.refusal is None:
                     raise Stop(refused[0], **_about(item["call_id"], item["name"]), reason=refused[1])
+                if refused:  # observed (on_refused="observe"): none of the batch starts, the model decides again
+                    self.offered = False
+                    return [_failure(other, refused[0], True, reason=refused[1] if other is item else
+                                     "another call of the batch was refused") for other in calls]
         self.offered = False
         return observations
 
@@ -4213,13 +4274,16 @@ class _JobRuns(Part):
     same run_agent call later asks the store about each pending job: while one is unfinished, the run pauses again
     and asks the model nothing; once all have ended, each call's observation is its job's: ok, its data the job's
     result; or job_failed (the reason, the job's error code) or job_cancelled, both retryable; and the run goes on.
-    claim_next hands a run waiting on its jobs to a worker only once they have all ended. A job is submitted once: a
-    resume submits a cut call again under its key, which is the same job. The time paused is none of the run's. A
-    job tool that writes is approved first, as any write. In a serial batch the calls after a job's call wait until
-    the job has ended, as after a write whose outcome is unknown."""
+    claim_next hands a run waiting on its jobs to a worker only once they have all ended. A job is submitted once,
+    by the call's own start, fenced by the run's lease: a submit cut by a crash or its time limit is looked up under
+    its key, never made again (none found: a read's call stays as it ended, a write did not apply). The time paused
+    is none of the run's. A job tool that writes is approved first, as any write. In a serial batch the calls after
+    a job's call wait until the job has ended, as after a write whose outcome is unknown. A run that ends asks its
+    unfinished jobs to cancel."""
 
     statuses = pauses = ("awaiting_job",)
     errors = ("job_failed", "job_cancelled")
+    settled = ("awaiting_job", "job_failed", "job_cancelled")  # a job write's fate is the store's to say
     options = ("store", "run_id")
 
     @classmethod
@@ -4232,7 +4296,7 @@ class _JobRuns(Part):
                 raise ValueError(f"{name[:80]}: a job tool's name is its jobs' kind: 1 to 80 printable characters")
         if given["store"] is None:
             raise ValueError(f"{jobs[0]}: a job tool needs a store: run_agent(..., store=..., run_id=...)")
-        if not all(callable(getattr(given["store"], name, None)) for name in ("submit", "status", "result")):
+        if not all(callable(getattr(given["store"], name, None)) for name in ("submit", "job_for", "result")):
             raise ValueError(f"{jobs[0]}: a job tool needs a store that keeps jobs, such as a SqlStore")
         part = cls()
         part.store, part.run_id = given["store"], given["run_id"]
@@ -4244,36 +4308,44 @@ class _JobRuns(Part):
 
     async def after_call(self, run, obs, item):
         """A job submitted: its call waits for it (a failure no model reads, for the run pauses on it). A submit
-        that failed or was cut is asked again under its key, the same job: it may have been saved all the same."""
+        that failed or was cut is looked up under its key (the store does one thing at a time: a submit cut by its
+        time limit has been saved, or not, by then): the job, if there is one; else a write did not apply."""
         if not run.registry[item["name"]].job:
             return obs
         data = obs.get("data") if obs["ok"] else None
-        if type(data) is dict and type(data.get("job")) is dict:
-            return await self._ended(item, data["job"])
-        with contextlib.suppress(Exception):  # the store failed again: the failure stands (a write is reconciled)
-            return await self._ended(item, await self._submit(run, item))
-        return obs
+        try:
+            if type(data) is dict and type(data.get("job")) is dict:
+                return await self._ended(item, data["job"])
+            return await self._found(run, item, obs)
+        except Exception:  # the store failed: the failure stands (the run stops at its next save)
+            return obs
 
     async def settle(self, run, value, record):
-        """Each job call of the run's last round that waits, or that a crash cut and that may have started (in a
-        serial batch, the first cut call, and none after a failure): its job asked about (submitted again under
-        its key: the same job), its observation the job's once it has ended."""
-        serial, blocked = not _parallel(run.registry, record["calls"]), False
+        """Each job call of the run's last round that waits for its job, or that a crash cut: its job looked up
+        under its key, never submitted (a call cut before its submit was saved submitted nothing: a read stays
+        interrupted, a write did not apply); its observation the job's once it has ended."""
         for index, (item, obs) in enumerate(zip(record["calls"], record["observations"])):
-            job = item["name"] in run.registry and run.registry[item["name"]].job
-            waits = not obs["ok"] and obs["error"] == "awaiting_job"
-            cut = not obs["ok"] and obs["error"] in ("interrupted", "unknown_outcome") and not (serial and blocked)
-            if job and (waits or cut):
+            if item["name"] in run.registry and run.registry[item["name"]].job and not obs["ok"] and \
+                    obs["error"] in ("awaiting_job", "interrupted", "unknown_outcome"):
                 try:
-                    receipt = await self._submit(run, item)
+                    found = record["observations"][index] = await self._found(run, item, obs)
                 except Exception as error:
                     raise Stop("store_failed", error_type=_error_type(error)) from None
-                obs = record["observations"][index] = await self._ended(item, receipt)
-                if receipt["state"] in JOB_STATES[3:]:
+                if found["ok"] or found["error"] in ("job_failed", "job_cancelled"):
                     await run.emit({"event": "job", "round": record["round"], "call_id": item["call_id"],
-                                    "job": receipt["id"], "state": receipt["state"], **run.used}, spent=True)
-            blocked = blocked or _fatal(obs) or not obs["ok"] and obs["error"] == "interrupted"
+                                    "job": found["job"], "state": "succeeded" if found["ok"] else found["error"],
+                                    **run.used}, spent=True)
         return value
+
+    async def _found(self, run, item, obs):
+        """The observation of a job call whose submit was cut or failed, as the store has its job: as it stands, or,
+        if there is none, obs as it was (a write handed over whose outcome was unknown: not_applied)."""
+        receipt = await _off_the_loop(self.store, self.store.job_for, self.run_id, self._key(item))
+        if receipt is not None:
+            return await self._ended(item, receipt)
+        if obs["error"] != "unknown_outcome":  # a read's failure, or a call a crash cut before it was handed over
+            return obs
+        return _failure(item, "not_applied", True, reason="its job was never submitted")
 
     async def named(self, run, names):
         record = run.history[-1] if run.history else None
@@ -4281,13 +4353,16 @@ class _JobRuns(Part):
                    (record["observations"] if record else ()) if obs.get("error") == "awaiting_job"]
         return {**names, "pending": pending} if pending else names
 
+    def _key(self, item):
+        return idempotency_key(self.run_id, item["call_id"], getattr(self.store, "store_id", ""))
+
     async def _submit(self, run, item):
-        """The receipt of the call's job, submitted under its key (the same job, if it was before); None if the
-        store refuses it (JobError: its queue is full, say)."""
-        key = idempotency_key(self.run_id, item["call_id"], getattr(self.store, "store_id", ""))
+        """The receipt of the call's job, submitted under its key (the same job, if it was before); a "refused" one
+        if the store refuses it (JobError: its queue is full, say)."""
         submit = partial(self.store.submit, deadline_seconds=run.limits.job_seconds, run_id=self.run_id)
         try:
-            return await _off_the_loop(self.store, submit, self.run_id, key, item["name"], _copy(item["arguments"]))
+            return await _off_the_loop(self.store, submit, self.run_id, self._key(item), item["name"],
+                                       _copy(item["arguments"]))
         except JobError as refused:
             return {"id": None, "state": "refused", "error": refused.code}
 
@@ -4300,6 +4375,8 @@ class _JobRuns(Part):
             return _failure(item, "job_failed", True, reason=receipt["error"])
         if receipt["state"] == "succeeded":
             got = await _off_the_loop(self.store, self.store.result, self.run_id, receipt["id"])
+            if got is None:  # (the store changed under it: nothing to read)
+                return _failure(item, "job_failed", True, reason="no result", job=receipt["id"])
             return {**_copy(item), "ok": True, "data": got["result"], "job": receipt["id"]}
         if receipt["state"] == "failed":
             return _failure(item, "job_failed", True, reason=receipt["error"], job=receipt["id"])

@@ -7843,6 +7843,38 @@ class CatalogTests(RuntimeTestCase):
                            for request in create.requests]
                 self.assertEqual(offered[-1], ["load_tools", "lookup", "orders_get", "search_tools"])
 
+    async def test_a_paused_batch_refused_at_the_gate_on_its_resume_is_observed_when_refusals_are(self):
+        catalog, grants, functions = agent_loop.order_catalog()
+        granted, placed = set(grants), []
+        registry = {"save": ToolSpec(1, False, False, parameters=ORDER)}
+        tools = agent_loop.FunctionTools({**functions, "save": lambda order_id, idempotency_key: placed.append(1) or {}})
+        model = scripted(calls(call("l", "load_tools", names=["orders_get"])),
+                         calls(call("o", "orders_get", order_id="A"), call("w", "save", order_id="A")), final("done"))
+        options = dict(registry=registry, catalog=catalog, grants=lambda: granted, accept=any_answer, fixtures=tools,
+                       limits=ROOMY, on_refused="observe", run_id="r")
+        with agent_loop.SqliteStore(":memory:") as store:
+            paused = await run_agent(model, store=store, approve=lambda write: "ask", **options)
+            self.assertEqual(paused["status"], "awaiting_approval")
+            granted.discard("orders:read")
+            result = await run_agent(model, store=store, approvals={"w": "approve"}, **options)
+        self.assertEqual((result["status"], errors(result), placed, "pending" in result),
+                         ("completed", ["denied", "denied"], [], False))
+
+    async def test_a_run_that_loaded_a_tool_the_catalog_retired_since_resumes(self):
+        with tempfile.TemporaryDirectory() as folder:
+            path, ready = os.path.join(folder, "runs.db"), os.path.join(folder, "ready")
+            run_in_a_process("catalog_run", path, ready, "call", kill_when=ready)  # cut while orders_get runs
+            fixture, grants, functions = agent_loop.order_catalog()
+            catalog = agent_loop.Catalog()
+            for name, entry in fixture.entries.items():
+                if name != "orders_get":
+                    catalog.add(name, entry.spec, entry.keywords, entry.permission)
+            with agent_loop.SqliteStore(path) as store:
+                result = await run_agent(agent_loop._catalog_model(), registry={}, catalog=catalog, grants=grants,
+                                         accept=agent_loop._catalog_accepted, store=store, run_id="chat",
+                                         fixtures=agent_loop.FunctionTools(functions), limits=SLOW_ROOMY)
+        self.assertEqual((result["status"], errors(result)), ("unknown_tool", ["interrupted"]))
+
     async def test_a_named_run_killed_after_a_load_resumes_with_the_tool_still_loaded(self):
         for where, change in (("decision", "nothing"), ("decision", "version"), ("call", "nothing")):
             with self.subTest(where=where, change=change), tempfile.TemporaryDirectory() as folder:
@@ -8217,6 +8249,80 @@ class JobRunTests(LeaseCase):
         for call in (lambda: store.trace(["t"]), lambda: store.cancel_run({"a": 1}), lambda: store.trace("t", 1.0)):
             with self.assertRaises(ValueError):
                 call()
+
+    async def test_a_resume_looks_a_cut_jobs_call_up_and_never_submits_what_never_was(self):
+        def dies(write):
+            raise SystemExit  # as SIGKILL would, while the policy is asked: the write's verdict never saved
+
+        store = self.store()
+        model = scripted(calls(call("w", "jw", x=1)), final("done"))
+        with self.assertRaises(SystemExit):
+            await run_agent(model, **JOB_RUN_OPTIONS, store=store, run_id="r", approve=dies)
+        result = await run_agent(model, **JOB_RUN_OPTIONS, store=store, run_id="r", approve=lambda w: "reject")
+        self.assertEqual((result["status"], errors(result), store.overview()["jobs"]), ("completed", ["interrupted"],
+                                                                                       []))
+
+    async def test_a_job_write_the_store_refuses_did_not_apply_and_the_run_goes_on(self):
+        store = self.store(max_jobs=1)
+        store.submit("someone", "k", "export", {})  # the queue is full
+        result = await run_agent(scripted(calls(call("w", "jw", x=1)), final("done")), **JOB_RUN_OPTIONS,
+                                 store=store, run_id="r", approve=lambda write: "approve")
+        self.assertEqual((result["status"], errors(result), "unknown" in result), ("completed", ["job_failed"],
+                                                                                 False))
+
+    async def test_a_store_that_fails_as_the_run_reads_its_jobs_result_stops_it_store_failed(self):
+        class Failing(agent_loop.SqlStore):
+            def result(self, owner, job_id):
+                raise sqlite3.OperationalError("private: disk I/O error")
+
+        store = self.store()
+        options = {**JOB_RUN_OPTIONS, "run_id": "r"}
+        await run_agent(scripted(calls(call("a", "ja", x=1)), final("done")), **options, store=store)
+        job = store.claim_job()
+        store.finish(job["id"], job["attempt"], {"v": 1})
+        failing = Failing(self.connect)
+        self.addCleanup(failing.close)
+        result = await run_agent(scripted(calls(call("a", "ja", x=1)), final("done")), **options, store=failing)
+        self.assertEqual((result["status"], result["trace"][-1]["error_type"]), ("store_failed", "OperationalError"))
+        self.assertNoPrivateText(result)
+
+    async def test_cancel_run_leaves_what_a_crash_cut_to_the_runs_resume_and_observes_a_paused_batch(self):
+        now = [time.time()]
+        store = self.store(lease_seconds=1, clock=lambda: now[0])
+        held = Fixtures(delays={"north": 30})
+        running = asyncio.create_task(run_agent(store=store, run_id="cut", fixtures=held, limits=ROOMY))
+        await wait_until(lambda: len(held.started) == 2)
+        running.cancel()  # the crash, while both reads run
+        await asyncio.gather(running, return_exceptions=True)
+        now[0] += 5  # its lease ran out
+        self.assertEqual(store.cancel_run("cut"), "cancel_requested")  # its reads may have run: its resume says so
+        ended = await run_agent(store=store, run_id="cut", fixtures=Fixtures(delays={}), limits=ROOMY)
+        self.assertEqual((ended["status"], ended["used"], errors(ended)),
+                         ("cancelled", {"rounds": 1, "calls": 2, "credits": 7}, ["interrupted", "interrupted"]))
+        model = scripted(calls(call("a", "ja", x=1), call("w", "wr", x=2)), final("done"))
+        paused = await run_agent(model, **JOB_RUN_OPTIONS, store=store, run_id="ask", approve=lambda write: "ask")
+        self.assertEqual((paused["status"], store.cancel_run("ask")), ("awaiting_approval", "cancelled"))
+        stored = await run_agent(model, **JOB_RUN_OPTIONS, store=store, run_id="ask")
+        self.assertEqual((stored["status"], errors(stored), "pending" in stored),
+                         ("cancelled", ["cancelled", "cancelled"], False))
+
+    async def test_a_cancel_asked_mid_serial_batch_observes_every_call_the_stop_overtook(self):
+        store, started = self.store(), []
+
+        class Asks(JobRunTools):
+            async def invoke(self, call):
+                started.append(call["call_id"])
+                if call["call_id"] == "a":
+                    await asyncio.to_thread(store.cancel_run, "serial", "ops")  # from "another process"
+                return await super().invoke(call)
+
+        model = scripted(calls(*(call(cid, "rs", x=n) for n, cid in enumerate("abc"))), final("done"))
+        options = {**JOB_RUN_OPTIONS, "registry": {"rs": ToolSpec(1, True, False, parameters=JOB_X)},
+                   "fixtures": Asks()}
+        result = await run_agent(model, **options, store=store, run_id="serial")
+        self.assertEqual((result["status"], started, [obs.get("error") for obs in observations(result)]),
+                         ("cancelled", ["a"], [None, "cancelled", "cancelled"]))
+        self.assertEqual(store.load("serial")["history"], result["history"])
 
     def test_a_pool_of_run_workers_and_job_workers_one_of_each_killed_ends_every_run_once_each_job_once(self):
         queue = self.store()
@@ -8756,6 +8862,16 @@ class TimelineTests(RuntimeTestCase):
                 _, marks, _ = timeline.lanes(result)
                 self.assertEqual([(limit, when) for limit, when, _ in marks],
                                  [("seconds", timeline.calls["a"][marked][1])])
+
+    async def test_a_timeline_wraps_tools_without_hiding_what_they_say_of_writes(self):
+        timeline = agent_loop.Timeline()
+        registry = {"save": ToolSpec(1, False, False, parameters=READ)}
+        keyless = agent_loop.FunctionTools({"save": lambda sku: {}})
+        with agent_loop.SqliteStore(":memory:") as store:
+            await self.assertRefusedBeforeTheModelIsAsked(
+                "save: a write function takes the keyword argument idempotency_key", registry=registry,
+                fixtures=timeline.tools(keyless), accept=any_answer, store=store, run_id="r",
+                approve=lambda write: "approve")
 
     async def test_the_readmes_drawings_are_those_of_the_runs_they_name(self):
         drawings = [block for block in re.findall(r"```\n(.*?)```", readme_section("See a run on a time axis"), re.S)
