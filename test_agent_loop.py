@@ -6001,6 +6001,23 @@ class LeaseCase(RuntimeTestCase):
     def kind(self):
         return "sqlite" if "://" not in self.where and "host=" not in self.where else "postgres"
 
+    def workers(self, child, *workers):
+        """A worker process per (name, *args), the child `child` of this file on this test's database, each logging
+        to a file of its own (killed at the end of the test); and lines(name), the JSON lines it printed so far."""
+        logs, processes = {}, {}
+        for name, *args in workers:
+            logs[name] = open(os.path.join(self.folder, f"{name}.log"), "w+")
+            self.addCleanup(logs[name].close)
+            processes[name] = subprocess.Popen(child_command(child, self.kind(), self.where, name, *args),
+                                               stdout=logs[name], stderr=subprocess.STDOUT)
+            self.addCleanup(processes[name].kill)
+
+        def lines(name):
+            logs[name].seek(0)
+            return [json.loads(line) for line in logs[name].read().splitlines() if line.startswith("{")]
+
+        return processes, lines
+
     def frozen(self, run_id, freeze="between"):
         """A worker process that holds run_id, frozen with SIGSTOP inside a save's transaction; it is woken at the
         end of the test, and its log is returned."""
@@ -6256,19 +6273,7 @@ class LeaseTests(LeaseCase):
         runs = [f"run-{n:02}" for n in range(30)]
         for run_id in runs:
             queue.add(run_id)
-        logs, workers = {}, {}
-        kind = "sqlite" if type(setup).__module__ == "sqlite3" else "postgres"
-        for name in ("victim", "one", "two"):
-            logs[name] = open(os.path.join(self.folder, f"{name}.log"), "w+")
-            self.addCleanup(logs[name].close)
-            crash = "after_second_write" if name == "victim" else "no"
-            workers[name] = subprocess.Popen(child_command("pool_worker", kind, self.where, name, crash),
-                                             stdout=logs[name], stderr=subprocess.STDOUT)
-            self.addCleanup(workers[name].kill)
-
-        def lines(name):
-            logs[name].seek(0)
-            return [json.loads(line) for line in logs[name].read().splitlines() if line.startswith("{")]
+        workers, lines = self.workers("pool_worker", ("victim", "after_second_write"), ("one", "no"), ("two", "no"))
 
         end = time.monotonic() + 60
         while not any("applied" in line for line in lines("victim")):
@@ -6281,7 +6286,7 @@ class LeaseTests(LeaseCase):
         for name in ("one", "two"):
             self.assertEqual(workers[name].wait(timeout=120), 0, lines(name))
         self.assertLess(killed, lease_until)  # the victim held a live lease when it died
-        ended = [line for name in logs for line in lines(name) if "ended" in line]
+        ended = [line for name in workers for line in lines(name) if "ended" in line]
         self.assertEqual(sorted(line["ended"] for line in ended if line["status"] == "completed"), runs)
         self.assertEqual([line for line in ended if line["status"] != "completed"], [])
         taken = [line for name in ("one", "two") for line in lines(name) if line.get("claimed") == held]
@@ -7407,6 +7412,12 @@ def utf8_json(value):
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
+def offered_names(create):
+    """The names of the tools each request create() was given offered, sorted, whatever the bridge's shape."""
+    return [sorted(tool.get("name") or tool["function"]["name"] for tool in request["tools"])
+            for request in create.requests]
+
+
 def fingerprint_of(catalog, name):
     return hashlib.sha256(utf8_json(catalog.entries[name].definition)).hexdigest()
 
@@ -7666,8 +7677,7 @@ class CatalogTests(RuntimeTestCase):
                                          fixtures=agent_loop.FunctionTools({**functions, "lookup": dict}),
                                          limits=ROOMY)
                 self.assertEqual(result["status"], "completed")
-                offered = [sorted(tool.get("name") or tool["function"]["name"] for tool in request["tools"])
-                           for request in create.requests]
+                offered = offered_names(create)
                 self.assertEqual(offered, [["load_tools", "lookup", "search_tools"]] * 2 + [
                     ["load_tools", "lookup", "orders_get", "search_tools", "shipments_get"]] * 2)
                 self.assertTrue(all("catalog" not in request for request in create.requests))
@@ -7839,8 +7849,7 @@ class CatalogTests(RuntimeTestCase):
                                          fixtures=agent_loop.FunctionTools({**functions, "lookup": dict}),
                                          limits=ROOMY)
                 self.assertEqual(result["status"], "completed")
-                offered = [sorted(tool.get("name") or tool["function"]["name"] for tool in request["tools"])
-                           for request in create.requests]
+                offered = offered_names(create)
                 self.assertEqual(offered[-1], ["load_tools", "lookup", "orders_get", "search_tools"])
 
     async def test_a_paused_batch_refused_at_the_gate_on_its_resume_is_observed_when_refusals_are(self):
@@ -8329,18 +8338,8 @@ class JobRunTests(LeaseCase):
         runs = [f"run-{n:02}" for n in range(20)]
         for run_id in runs:
             queue.add(run_id)
-        logs, workers = {}, {}
-        for name, role in (("runs-victim", "runs"), ("runs-1", "runs"), ("runs-2", "runs"), ("jobs-victim", "jobs"),
-                           ("jobs-1", "jobs")):
-            logs[name] = open(os.path.join(self.folder, f"{name}.log"), "w+")
-            self.addCleanup(logs[name].close)
-            workers[name] = subprocess.Popen(child_command("job_pool_worker", self.kind(), self.where, name, role),
-                                             stdout=logs[name], stderr=subprocess.STDOUT)
-            self.addCleanup(workers[name].kill)
-
-        def lines(name):
-            logs[name].seek(0)
-            return [json.loads(line) for line in logs[name].read().splitlines() if line.startswith("{")]
+        workers, lines = self.workers("job_pool_worker", ("runs-victim", "runs"), ("runs-1", "runs"), ("runs-2", "runs"),
+                                      ("jobs-victim", "jobs"), ("jobs-1", "jobs"))
 
         end = time.monotonic() + 90
         for victim, mark in (("runs-victim", "claimed"), ("jobs-victim", "working")):
@@ -10185,9 +10184,9 @@ def store_of(kind, where, store=None, **options):
     return (store or agent_loop.SqlStore)(connect, **options)
 
 
-def job_run(kind, where, ready):
-    """The order as a job, run by name; the moment its job's submit has committed, it writes ready and hangs there:
-    the parent kills it, the call's observation never saved."""
+def hangs_once_submitted(ready):
+    """A SqlStore that, the moment a job's submit has committed, writes ready and hangs there: the parent kills its
+    process, the call's observation never saved."""
     class Submitted(agent_loop.SqlStore):
         def submit(self, *args, **options):
             receipt = super().submit(*args, **options)
@@ -10195,8 +10194,13 @@ def job_run(kind, where, ready):
             time.sleep(600)
             return receipt
 
+    return Submitted
+
+
+def job_run(kind, where, ready):
+    """The order as a job, run by name, killed once its job was submitted (hangs_once_submitted)."""
     async def main():
-        with store_of(kind, where, Submitted) as store:
+        with store_of(kind, where, hangs_once_submitted(ready)) as store:
             await run_agent(agent_loop.receipt_model, registry=agent_loop.JOB_ORDER_TOOLS,
                             accept=agent_loop.receipt_accepted, fixtures=Fixtures(delays={}), store=store,
                             run_id="order", approve=lambda write: "approve", limits=ROOMY)
@@ -10291,17 +10295,9 @@ def frozen_job_worker(kind, where, ready):
 
 
 def serial_jobs_run(kind, where, ready):
-    """A serial batch of two job calls, run by name; once the first's submit has committed, it writes ready and
-    hangs: the parent kills it there."""
-    class Submitted(agent_loop.SqlStore):
-        def submit(self, *args, **options):
-            receipt = super().submit(*args, **options)
-            open(ready, "w").close()
-            time.sleep(600)
-            return receipt
-
+    """A serial batch of two job calls, run by name, killed once the first's job was submitted."""
     async def main():
-        with store_of(kind, where, Submitted) as store:
+        with store_of(kind, where, hangs_once_submitted(ready)) as store:
             await run_agent(scripted(calls(call("a", "ja", x=1), call("b", "jb", x=2))), **JOB_RUN_OPTIONS,
                             store=store, run_id="serial")
 
