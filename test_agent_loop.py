@@ -2974,10 +2974,10 @@ def cut_module(folder, end=CORE_END):
     shutil.copytree(os.path.join(HERE, "schema_suite"), os.path.join(folder, "schema_suite"))
 
 
-# The classes of the runtime's later parts (PART 6-13), that the module cut at the banner runs as the whole does.
+# The classes of the runtime's later parts (PART 6-15), that the module cut at the banner runs as the whole does.
+# The pool's processes (LeaseTests) run the same store code SqliteLeaseTests does; here they would only add load.
 RUNTIME_TESTS = ("FunctionToolsTests", "ObservedRefusalTests", "ProviderBridgeTests", "McpTests", "SavedRunTests",
-                 "WriteTests", "LeaseTests", "SqliteLeaseTests", "JobTests", "JobRunTests", "AttemptTests",
-                 "CatalogTests")
+                 "WriteTests", "SqliteLeaseTests", "JobTests", "JobRunTests", "AttemptTests", "CatalogTests")
 ALONE = {}  # the runs of a cut file's tests, by name: started when the whole suite loads, as they are slow
 
 
@@ -6940,17 +6940,17 @@ class JobTests(LeaseCase):
         self.assertEqual((store.status("ana", 1)["state"], reported, store.result("ana", 1)), ("cancelled", [1, 2, 3], None))
 
     async def test_work_jobs_keeps_the_lease_of_a_job_that_reports_no_progress(self):
-        store = self.store(lease_seconds=0.3)
-        other = self.store(lease_seconds=0.3)
+        store = self.store(lease_seconds=1.0)
+        other = self.store(lease_seconds=1.0)
         store.submit("ana", "k", "quiet", {})
 
         async def quiet(progress):
-            await asyncio.sleep(1.0)  # three leases long, and not a word
+            await asyncio.sleep(3.0)  # three leases long, and not a word
             return {"quiet": True}
 
         working = asyncio.create_task(agent_loop.work_jobs(store, {"quiet": quiet}))
         for _ in range(8):
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.3)
             self.assertIsNone(await asyncio.to_thread(other.claim_job))  # never free: its lease is kept
         await working
         self.assertEqual(self.events(store, 1), ["submitted", "claimed", "succeeded"])
@@ -8074,6 +8074,7 @@ class JobRunTests(LeaseCase):
         await wait_until(lambda: "r2-plan" in read_file(log), 60)  # its plan runs
         canceller = subprocess.run(child_command("cancel_run", self.kind(), self.where, "slow", "ops"),
                                    capture_output=True, text=True, timeout=60)
+        open(log + ".go", "w").close()  # the plan ends once the other process has asked
         self.assertEqual(json.loads(canceller.stdout), "cancel_requested")
         out, _ = worker.communicate(timeout=60)
         result = json.loads(out.splitlines()[-1])
@@ -10209,13 +10210,14 @@ def job_run(kind, where, ready):
 
 
 def slow_run(kind, where, log):
-    """The inventory's run, named "slow", each call slow and logged: another process cancels it meanwhile. Its
-    result, as JSON."""
+    """The inventory's run, named "slow", each call logged; its plan waits until log + ".go" exists: another process
+    cancels the run meanwhile. Its result, as JSON."""
     class Slow(agent_loop.Fixtures):
         async def invoke(self, call):
             with open(log, "a") as file:
                 file.write(call["call_id"] + "\n")
-            await asyncio.sleep(1.0)
+            while call["name"] == "compute_plan" and not os.path.exists(log + ".go"):
+                await asyncio.sleep(0.01)
             return await super().invoke(call)
 
     async def main():
