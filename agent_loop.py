@@ -2186,8 +2186,9 @@ class _Journal(Part):
     async def join(cls, run, given):
         store, run_id, approve, approvals = (given[name] for name in cls.options)
         if store is None:
-            for name, what in (("run_id", "run_id names a run in a store"), ("approvals", "approvals are for a run in "
-                               "a store"), ("approve", "approve needs a store, so that a write's fate survives a crash")):
+            for name, what in (("run_id", "run_id names a run in a store"),
+                               ("approvals", "approvals are for a run in a store"),
+                               ("approve", "approve needs a store, so that a write's fate survives a crash")):
                 if given[name] is not None:
                     raise ValueError(f"{what}: give the store too")
             return None
@@ -2197,7 +2198,8 @@ class _Journal(Part):
         if approve is not None and not _plain_function(approve):
             raise ValueError("approve must be a plain function of a write's call")
         if approvals is not None and (type(approvals) is not dict or not all(
-                type(cid) is str and type(verdict) is str and verdict in VERDICTS for cid, verdict in approvals.items())):
+                type(cid) is str and type(verdict) is str and verdict in VERDICTS
+                for cid, verdict in approvals.items())):
             raise ValueError("approvals must be a dict of call ids to 'approve' or 'reject'")
         store_id = getattr(store, "store_id", None)
         if (approve is not None or approvals) and (type(store_id) is not str or not store_id):
@@ -2215,7 +2217,8 @@ class _Journal(Part):
                 await _off_the_loop(store, store.give_back, run_id, False)
 
     def __init__(self, run, store, run_id, approve, approvals, store_id):
-        self.store, self.run_id, self.approve, self.approvals, self.store_id = store, run_id, approve, approvals, store_id
+        self.store, self.run_id, self.store_id = store, run_id, store_id
+        self.approve, self.approvals = approve, approvals
         self.config = canonical(_integral({
             "limits": [getattr(run.limits, field.name) for field in dataclasses.fields(Limits)],
             "registry": {name: [spec.cost, spec.read_only, spec.parallel_safe, spec.job, spec.parameters]
@@ -2245,7 +2248,8 @@ class _Journal(Part):
         self.saved, self.saved_records, self.events = saved, [], 0
         self.writes, self.waits, self.asked_at = _copy(state["writes"]), state["waits"], state["asked_at"]
         # A run paused until now ends its pause here: the time paused is no time of the run's.
-        self.paused = state["paused"] + (0.0 if state["paused_at"] is None else max(0.0, time.time() - state["paused_at"]))
+        since = state["paused_at"]
+        self.paused = state["paused"] + (0.0 if since is None else max(0.0, time.time() - since))
         self.paused_at = None
         self.elapsed = max(0.0, time.time() - saved["started"] - self.paused) if saved and saved["started"] else 0.0
         run.writes = self.approve is not None or bool(self.approvals) or bool(self.writes)  # writes are opt in
@@ -2384,7 +2388,8 @@ class _Journal(Part):
 
     async def after_call(self, run, obs, item):
         """A write handed to its tool that said nothing of its fate is reconciled."""
-        if item["call_id"] in self.given and not obs["ok"] and obs["error"] not in (*NOT_APPLIED, *_declared("settled")):
+        settled = (*NOT_APPLIED, *_declared("settled"))
+        if item["call_id"] in self.given and not obs["ok"] and obs["error"] not in settled:
             return await self._reconciled(run, item, settling=False)
         return obs
 
@@ -2513,7 +2518,8 @@ class _Journal(Part):
 
     async def _reconciled(self, run, item, settling):
         """What reconcile says of a write whose outcome is unknown: applied, not applied, or still unknown. It is
-        bounded by tool_seconds and the run's time left and cancel; settling a write on resume, by tool_seconds alone."""
+        bounded by tool_seconds and the run's time left and cancel; settling a write on resume, by tool_seconds
+        alone."""
         reconcile, said, call = getattr(run.tools, "reconcile", None), None, self._call(item)
         if callable(reconcile):
             try:
@@ -2973,8 +2979,9 @@ class SqlStore(Store):
                     row = self._sql(f"SELECT run_id, claims FROM agent_loop_runs r WHERE status IS NULL AND (waits "
                                     f"IS NULL OR waits = 'awaiting_job' AND NOT EXISTS (SELECT 1 FROM agent_loop_jobs "
                                     f"WHERE run_id = r.run_id AND state IN {_UNFINISHED!r} AND NOT (state = 'queued' "
-                                    f"AND deadline IS NOT NULL AND deadline <= ?))) AND (lease_until IS NULL OR lease_until <= ?) ORDER BY "
-                                    f"added, run_id LIMIT 1" + self.dialect["skip_locked"], (now, now)).fetchone()
+                                    f"AND deadline IS NOT NULL AND deadline <= ?))) AND (lease_until IS NULL OR "
+                                    f"lease_until <= ?) ORDER BY added, run_id LIMIT 1" + self.dialect["skip_locked"],
+                                    (now, now)).fetchone()
                     if row is None:
                         return None
                     generation, holder, _, now = self._held(row[0])
@@ -3195,7 +3202,8 @@ class SqlStore(Store):
         with self._transaction(self.dialect["jobs"]):  # one submit at a time: ids, keys and the queue's size
             now = self._now()
             if run_id is not None:
-                held = self._sql("SELECT holder, lease_until FROM agent_loop_runs WHERE run_id = ?", (run_id,)).fetchone()
+                held = self._sql("SELECT holder, lease_until FROM agent_loop_runs WHERE run_id = ?",
+                                 (run_id,)).fetchone()
                 if held is None or held[0] != self.holder or held[1] is None or held[1] <= now:
                     raise Superseded(run_id, "stale" if held is None or held[0] != self.holder else "lease_expired")
             row = self._sql("SELECT id, request FROM agent_loop_jobs WHERE owner = ? AND action_key = ?",
@@ -3640,8 +3648,9 @@ CREATE TABLE IF NOT EXISTS agent_loop_job_events (job_id BIGINT NOT NULL, seq IN
 _STORE_COLUMNS = ("run_id, generation, added, config, started, state, status, answer, holder, lease_until, waits, "
                   "claims, why, cancel FROM agent_loop_runs", "run_id, round, body FROM agent_loop_records",
                   "run_id, seq, body FROM agent_loop_events",
-                  "id, owner, action_key, kind, params, request, state, attempt, max_attempts, deadline, submitted, "
-                  "not_before, holder, lease_until, done, total, error, result, fingerprint, run_id FROM agent_loop_jobs",
+                  "id, owner, action_key, kind, params, request, state, attempt, max_attempts, deadline, "
+                  "submitted, not_before, holder, lease_until, done, total, error, result, fingerprint, run_id "
+                  "FROM agent_loop_jobs",
                   "job_id, seq, body FROM agent_loop_job_events")
 
 # PART 12: a call's attempts: a read tried again after a transient failure, unseen by the model (full jitter, inside
@@ -3779,7 +3788,8 @@ class Catalog:
         if spec.parameters is None:
             raise ValueError(f"{name}: a catalog entry declares its parameters: they are what a model is told")
         if spec.retries or spec.job:
-            raise ValueError(f"{name}: retries and jobs are for the registry's tools (PART 12, 15): a catalog's runs once")
+            raise ValueError(f"{name}: retries and jobs are for the registry's tools (PART 12, 15): "
+                             "a catalog's runs once")
         if type(keywords) not in (list, tuple, set, frozenset) or not all(type(word) is str for word in keywords):
             raise ValueError(f"{name}: keywords must be a collection of strings")
         if type(permission) is not str or not permission:

@@ -6273,12 +6273,15 @@ class LeaseTests(LeaseCase):
         runs = [f"run-{n:02}" for n in range(30)]
         for run_id in runs:
             queue.add(run_id)
-        workers, lines = self.workers("pool_worker", ("victim", "after_second_write"), ("one", "no"), ("two", "no"))
+        go = os.path.join(self.folder, "go")  # the others start once the victim hangs with its write applied
+        workers, lines = self.workers("pool_worker", ("victim", "after_second_write"), ("one", "no", go),
+                                      ("two", "no", go))
 
         end = time.monotonic() + 60
         while not any("applied" in line for line in lines("victim")):
             self.assertLess(time.monotonic(), end, lines("victim"))
             time.sleep(0.01)
+        open(go, "w").close()
         held = [line["claimed"] for line in lines("victim") if "claimed" in line][-1]
         (lease_until,) = queue._sql("SELECT lease_until FROM agent_loop_runs WHERE run_id = ?", (held,)).fetchone()
         workers["victim"].kill()  # SIGKILL, with the write applied and its observation not saved
@@ -8339,15 +8342,20 @@ class JobRunTests(LeaseCase):
         runs = [f"run-{n:02}" for n in range(20)]
         for run_id in runs:
             queue.add(run_id)
-        workers, lines = self.workers("job_pool_worker", ("runs-victim", "runs"), ("runs-1", "runs"), ("runs-2", "runs"),
-                                      ("jobs-victim", "jobs"), ("jobs-1", "jobs"))
+        # Each victim works alone until it is killed (so that it has work however the machine schedules them),
+        # then the others of its kind start: the run workers, then the last job worker.
+        go = {kind: os.path.join(self.folder, f"go-{kind}") for kind in ("runs", "jobs")}
+        workers, lines = self.workers("job_pool_worker", ("runs-victim", "runs"), ("runs-1", "runs", go["runs"]),
+                                      ("runs-2", "runs", go["runs"]), ("jobs-victim", "jobs"),
+                                      ("jobs-1", "jobs", go["jobs"]))
 
         end = time.monotonic() + 90
-        for victim, mark in (("runs-victim", "claimed"), ("jobs-victim", "working")):
+        for victim, mark, kind in (("runs-victim", "claimed", "runs"), ("jobs-victim", "working", "jobs")):
             while len([line for line in lines(victim) if mark in line]) < 2:
                 self.assertLess(time.monotonic(), end, lines(victim))
                 time.sleep(0.01)
             workers[victim].kill()  # SIGKILL, mid-run or mid-job
+            open(go[kind], "w").close()
         for name in ("runs-1", "runs-2", "jobs-1"):
             self.assertEqual(workers[name].wait(timeout=120), 0, lines(name))
         jobs = queue.overview()["jobs"]
@@ -10029,10 +10037,16 @@ def writing_run(store_path, service, ready, crash):
     asyncio.run(main())
 
 
-def pool_worker(kind, where, name, crash):
+async def until_exists(path):
+    """Wait until the file path exists (at once for no path): a worker's start, ordered by its test."""
+    while path and not os.path.exists(path):
+        await asyncio.sleep(0.02)
+
+
+def pool_worker(kind, where, name, crash, go=""):
     """A worker of the pool, on SQLite or PostgreSQL (kind) at where: the README's worker loop over runs with writes,
     printing a JSON line per claim and end; with crash "after_second_write", its second order applies, it says so,
-    and hangs: the test kills it there."""
+    and hangs: the test kills it there. Given go, a file, it starts once that file exists."""
     def connect():
         if kind == "sqlite":
             return sqlite3.connect(where, isolation_level=None, timeout=30)
@@ -10065,6 +10079,7 @@ def pool_worker(kind, where, name, crash):
             return {"applied": True, "data": {"order": call["idempotency_key"][:8]}} if count else {"applied": False}
 
     async def main():
+        await until_exists(go)
         with agent_loop.SqlStore(connect, lease_seconds=1.0) as store:
             while store.unfinished():  # the worker loop of the README, and a wait while every run left is leased
                 run_id = store.claim_next()
@@ -10247,9 +10262,10 @@ def follow(kind, where, run_id):
             time.sleep(0.005)
 
 
-def job_pool_worker(kind, where, name, role):
+def job_pool_worker(kind, where, name, role, go=""):
     """A worker of a pool whose runs each place their order as a job: role "runs" works runs (the README's worker
-    loop), "jobs" works jobs; each prints a JSON line per claim or job begun, until no run is left unfinished."""
+    loop), "jobs" works jobs; each prints a JSON line per claim or job begun, until no run is left unfinished.
+    Given go, a file, it starts once that file exists."""
     def say(**line):
         print(json.dumps({"worker": name, **line}), flush=True)
 
@@ -10261,6 +10277,7 @@ def job_pool_worker(kind, where, name, role):
         return {"order": "PO", "lines": len(items), "total_cents": sum(item["cents"] for item in items)}
 
     async def main():
+        await until_exists(go)
         with store_of(kind, where, lease_seconds=1.0) as store:
             while store.unfinished():
                 if role == "jobs":
