@@ -2115,8 +2115,18 @@ class _StoreThread:
 
 async def _off_the_loop(store, method, *args):
     """method(*args), run on the store's own thread: the loop goes on while the database works, and a slow or locked
-    statement delays only the run that made it."""
+    statement delays only the run that made it. A method marked _waits_off_its_thread runs in a thread of asyncio's
+    instead: it puts each statement on the store's thread itself, and waits between them without holding it."""
+    if getattr(method, "waits_off_its_thread", False):
+        return await asyncio.to_thread(method, *args)
     return await asyncio.wrap_future(store._thread.submit(method, *args))
+
+
+def _waits_off_its_thread(method):
+    """Mark a store's method that waits between its statements (a claim that tries again while a row is locked): the
+    store's thread serves the other runs' saves and renewals meanwhile."""
+    method.waits_off_its_thread = True
+    return method
 
 
 STORE_METHODS = ("load", "claim", "claimed", "save", "unfinished")
@@ -2771,7 +2781,8 @@ def _a_wait(seconds):
 
 class JobError(Exception):
     """A job the store refuses: its code is "key_conflict" (the owner's key names another request), "queue_full",
-    or "busy" (another connection held what a submit waits for past the store's wait: try again)."""
+    or "busy" (another connection held what a submit, status or cancel waits for past the store's wait: try
+    again)."""
 
     def __init__(self, code):
         super().__init__(code)
@@ -2821,9 +2832,10 @@ class SqlStore(Store):
 
     A worker that freezes (SIGSTOP, a debugger, a swapped-out machine) may freeze inside a transaction. On
     PostgreSQL no statement waits on another's row for long (_LOCK_WAIT): a claim finds the run's locker, and once
-    the run's lease has run out and the locker's transaction has lasted _STALLED, ends its session (the store's role
-    may signal its own sessions): a frozen holder holds its run about one lease, then it is fenced, and its next
-    statement fails when it wakes. SQLite has one lock for the whole database, which no live process can take from
+    no live lease holds the run (its lease ran out, or it has none) and the locker's transaction has lasted
+    _STALLED, ends its session (the store's role may signal its own sessions): a frozen holder holds its run about
+    one lease, a frozen claimer about _STALLED, then it is fenced, and its next statement fails when it wakes. A
+    claim by name waits between its tries off the store's thread, which serves the store's other runs meanwhile. SQLite has one lock for the whole database, which no live process can take from
     another: a worker frozen inside a transaction holds every writer until it wakes or dies. Meanwhile claim_next()
     says None and a save waits out the connection's busy timeout, then stops its run store_failed. Durability is the
     database's: SQLite's here (the write-ahead log, synchronous=FULL), PostgreSQL's own (synchronous_commit)."""
@@ -2925,15 +2937,16 @@ class SqlStore(Store):
             raise ValueError("the store's clock gave no finite number of seconds")
         return now
 
+    @_on_its_thread
     def _unstall(self, run_id=None):
-        """End the sessions that hold a run whose lease has run out (that one, or any) in a transaction that has
-        lasted _STALLED: a frozen worker's. Nothing on SQLite, whose one lock no process can take from another."""
+        """End the sessions that hold a run no live lease holds (that one, or any) in a transaction that has lasted
+        _STALLED: a frozen worker's. Nothing on SQLite, whose one lock no process can take from another."""
         if self.dialect["unstall"]:
             self._sql(self.dialect["unstall"], (self._now(), _STALLED, run_id, run_id)).fetchall()
 
     def _unstall_jobs(self):
-        """End the sessions that hold a job whose lease ran out in a transaction that has lasted _STALLED: a frozen
-        worker's (on PostgreSQL; SQLite's one lock no process can take from another)."""
+        """End the sessions that hold an unfinished job no live lease holds in a transaction that has lasted
+        _STALLED: a frozen worker's (on PostgreSQL; SQLite's one lock no process can take from another)."""
         if self.dialect["unstall_jobs"]:
             self._sql(self.dialect["unstall_jobs"], (self._now(), _STALLED)).fetchall()
 
@@ -3001,30 +3014,35 @@ class SqlStore(Store):
         self.leased[row[0]] = generation
         return row[0]
 
-    @_on_its_thread
+    @_waits_off_its_thread
     def claim(self, run_id, config, started):
         """The run's claim for this process: under the lease claim_next gave it, or taken over, fencing its holder
-        (one frozen in a transaction once its lease has run out, on PostgreSQL)."""
-        state, end = json.dumps(_NOTHING_SAVED), time.monotonic() + self.lease_seconds + 4 * _STALLED
+        (one frozen in a transaction once its lease has run out, on PostgreSQL). Each try is a call on the store's
+        thread; the waits between them are the caller's, so that the store serves its other runs meanwhile."""
+        end = time.monotonic() + self.lease_seconds + 4 * _STALLED
         while True:
             try:
-                with self._transaction():
-                    self._sql("INSERT INTO agent_loop_runs (run_id, generation, added) VALUES (?, 0, ?) "
-                              "ON CONFLICT (run_id) DO NOTHING", (run_id, self._now()))
-                    generation, holder, until, now = self._held(run_id)
-                    leased = self.leased.pop(run_id, None) == generation and holder == self.holder and \
-                        (until or 0) > now
-                    generation += 0 if leased else 1
-                    self._sql("UPDATE agent_loop_runs SET generation = ?, holder = ?, lease_until = ?, config = "
-                              "COALESCE(config, ?), started = COALESCE(started, ?), state = COALESCE(state, ?) WHERE "
-                              "run_id = ?", (generation, self.holder, now + self.lease_seconds, config, started, state,
-                                             run_id))
-                return generation
+                return self._claimed_now(run_id, config, started)
             except self.error as error:  # its row is locked: by a holder that is saving, or that froze doing so
                 if self.dialect["trouble"](error) != _BUSY or not self.dialect["unstall"] or time.monotonic() > end:
                     raise
-                self._unstall(run_id)
-                time.sleep(_LOCK_WAIT / 5)
+            self._unstall(run_id)
+            time.sleep(_LOCK_WAIT / 5)
+
+    @_on_its_thread
+    def _claimed_now(self, run_id, config, started):
+        """claim's one try, in one transaction: the run's generation, or the driver's error."""
+        with self._transaction():
+            self._sql("INSERT INTO agent_loop_runs (run_id, generation, added) VALUES (?, 0, ?) "
+                      "ON CONFLICT (run_id) DO NOTHING", (run_id, self._now()))
+            generation, holder, until, now = self._held(run_id)
+            leased = self.leased.pop(run_id, None) == generation and holder == self.holder and (until or 0) > now
+            generation += 0 if leased else 1
+            self._sql("UPDATE agent_loop_runs SET generation = ?, holder = ?, lease_until = ?, config = COALESCE("
+                      "config, ?), started = COALESCE(started, ?), state = COALESCE(state, ?) WHERE run_id = ?",
+                      (generation, self.holder, now + self.lease_seconds, config, started,
+                       json.dumps(_NOTHING_SAVED), run_id))
+        return generation
 
     def _fenced(self, run_id, generation, held):
         """Superseded, saying why this store holds the run under generation no longer (None if it still does)."""
@@ -3240,9 +3258,12 @@ class SqlStore(Store):
         for a job that is not the owner's, or not there."""
         if not self._owns(owner, job_id):
             return None
+        self._unless_busy(self._expired, job_id)
+        return self._receipt(job_id)
+
+    def _expired(self, job_id):
         with self._transaction():
             self._expire(job_id, self._now())
-        return self._receipt(job_id)
 
     @_on_its_thread
     def events(self, owner, job_id, after=0):
@@ -3260,6 +3281,9 @@ class SqlStore(Store):
     def cancel(self, owner, job_id):
         """Ask to cancel the owner's job: a queued one is cancelled at once, a running one becomes cancel_requested
         (its worker confirms it), a final one stays as it is. Its receipt after; None if it is not the owner's."""
+        return self._unless_busy(self._cancelled, owner, job_id)
+
+    def _cancelled(self, owner, job_id):
         with self._transaction():
             if not self._owns(owner, job_id):
                 return None
@@ -3398,6 +3422,19 @@ class SqlStore(Store):
         if row is not None and row[0] == "queued" and row[6] is not None and row[6] <= now:
             self._job_ends(job_id, "failed", row[1], "deadline_exceeded")
 
+    def _unless_busy(self, method, *args):
+        """method(*args), tried once more after ending a frozen worker's session that held the job (on PostgreSQL);
+        JobError "busy" while another connection still holds what it waits for, never the driver's error."""
+        for last in (not self.dialect["unstall_jobs"], True):
+            try:
+                return method(*args)
+            except self.error as error:
+                if self.dialect["trouble"](error) != _BUSY:
+                    raise
+                if last:
+                    raise JobError("busy") from None
+            self._unstall_jobs()
+
     def _owns(self, owner, job_id):
         return type(job_id) is int and 0 < job_id <= _MOST and type(owner) is str and self._sql(
             "SELECT 1 FROM agent_loop_jobs WHERE id = ? AND owner = ?", (job_id, owner)).fetchone() is not None
@@ -3497,7 +3534,9 @@ def _sqlite3_unfit(db):
 def _sqlite3_trouble(error):
     """What an SQLite error says of the database: busy, read-only, or None (not a store, or a failure)."""
     code = getattr(error, "sqlite_errorcode", None)
-    return _BUSY if code in (5, 6) else "read-only: a store must write" if code == 8 else None  # BUSY, LOCKED, READONLY
+    # BUSY, LOCKED; READONLY, or CANTOPEN once connected: it cannot make its files beside the database (a read-only
+    # folder or mount, where the write-ahead log's index cannot be made)
+    return _BUSY if code in (5, 6) else "read-only: a store must write" if code in (8, 14) else None
 
 
 def _psycopg_unfit(db):
@@ -3511,6 +3550,9 @@ def _psycopg_unfit(db):
     encoding = db.info.parameter_status("server_encoding")
     if encoding not in ("UTF8", "SQL_ASCII"):
         return f"is to a database in {encoding}, which cannot hold all of the store's text: it needs UTF8"
+    encoding = db.info.parameter_status("client_encoding")  # what psycopg encodes text in (SQL_ASCII: UTF-8 too)
+    if encoding not in ("UTF8", "SQL_ASCII"):
+        return f"sends text in {encoding}, which cannot carry all of the store's text: it needs client_encoding UTF8"
     return None
 
 
@@ -3565,17 +3607,19 @@ _DIALECTS = {
         "lock": " FOR UPDATE",  # the run's row locked until the transaction ends
         "skip_locked": " FOR UPDATE SKIP LOCKED",  # a run another claim has locked is not this claim's
         "jobs": "SELECT pg_advisory_xact_lock(4808)",  # one submit at a time: ids, keys and the queue's size
-        # The sessions whose open transaction, older than _STALLED, holds the row of a run whose lease ran out (the
-        # row's xmax is the holding transaction's id): ended, and waited for, a second at most.
+        # The sessions whose open transaction, older than _STALLED, holds the row of a run (or job) that no live
+        # lease holds (never leased, let go, or run out; the row's xmax is the holding transaction's id): ended, and
+        # waited for, a second at most. A live lease's holder saves in milliseconds; it is never ended.
         "unstall": "SELECT pg_terminate_backend(l.pid, 1000) FROM agent_loop_runs r JOIN pg_locks l ON l.locktype = "
                    "'transactionid' AND l.transactionid = r.xmax AND l.granted JOIN pg_stat_activity a ON a.pid = "
-                   "l.pid WHERE r.status IS NULL AND r.lease_until <= %s AND a.xact_start < clock_timestamp() - "
-                   "make_interval(secs => %s) AND l.pid <> pg_backend_pid() AND (%s::text IS NULL OR r.run_id = %s)",
+                   "l.pid WHERE r.status IS NULL AND (r.lease_until IS NULL OR r.lease_until <= %s) AND a.xact_start "
+                   "< clock_timestamp() - make_interval(secs => %s) AND l.pid <> pg_backend_pid() AND (%s::text IS "
+                   "NULL OR r.run_id = %s)",
         "unstall_jobs": "SELECT pg_terminate_backend(l.pid, 1000) FROM agent_loop_jobs j JOIN pg_locks l ON "
                         "l.locktype = 'transactionid' AND l.transactionid = j.xmax AND l.granted JOIN pg_stat_activity "
-                        "a ON a.pid = l.pid WHERE j.state IN ('running', 'cancel_requested') AND j.lease_until <= %s "
-                        "AND a.xact_start < clock_timestamp() - make_interval(secs => %s) AND l.pid <> "
-                        "pg_backend_pid()",
+                        "a ON a.pid = l.pid WHERE j.state IN ('queued', 'running', 'cancel_requested') AND "
+                        "(j.state = 'queued' OR j.lease_until <= %s) AND a.xact_start < clock_timestamp() - "
+                        "make_interval(secs => %s) AND l.pid <> pg_backend_pid()",
     },
 }
 
@@ -4252,8 +4296,9 @@ async def _work(store, function, job):
 
 async def _patiently(store, method, *args):
     """method(*args) on the store's thread, tried again while the database is busy (another connection holds what
-    it waits for) for up to a lease; then Superseded("busy"): the job's lease will run out, and it is another's."""
-    return await _off_the_loop(store, _patiently_here, store, method, *args)
+    it waits for) for up to a lease; then Superseded("busy"): the job's lease will run out, and it is another's. It
+    waits between tries in a thread of asyncio's, never on the store's thread, which serves other calls meanwhile."""
+    return await asyncio.to_thread(_patiently_here, store, method, *args)
 
 
 def _patiently_here(store, method, *args):

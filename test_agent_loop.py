@@ -6018,13 +6018,14 @@ class LeaseCase(RuntimeTestCase):
 
         return processes, lines
 
-    def frozen(self, run_id, freeze="between"):
-        """A worker process that holds run_id, frozen with SIGSTOP inside a save's transaction; it is woken at the
-        end of the test, and its log is returned."""
+    def frozen(self, run_id, freeze="between", lease=1.0):
+        """A worker process that holds run_id under a lease of `lease` seconds, frozen with SIGSTOP inside a save's
+        transaction (or its claim's: frozen_worker); it is woken at the end of the test, and its log is returned."""
         ready = os.path.join(self.folder, f"{run_id}.ready")
         log = open(os.path.join(self.folder, f"{run_id}.log"), "w+")
         self.addCleanup(log.close)
-        worker = subprocess.Popen(child_command("frozen_worker", self.kind(), self.where, run_id, ready, freeze),
+        worker = subprocess.Popen(child_command("frozen_worker", self.kind(), self.where, run_id, ready, freeze,
+                                                str(lease)),
                                   stdout=log, stderr=subprocess.STDOUT)
         self.addCleanup(worker.wait, 60)
         self.addCleanup(worker.kill)  # (a stopped process dies of SIGKILL too)
@@ -6520,6 +6521,26 @@ class SqliteLeaseTests(LeaseCase):
                           "the database: read-only: a store must write", "the database: not a store",
                           "the database: a store of another version"])
 
+    def test_a_store_on_a_read_only_mount_is_called_read_only_not_a_file_that_is_no_store(self):
+        mount = os.path.join(self.folder, "mount")
+        os.mkdir(mount)
+        if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", mount],
+                                               capture_output=True).returncode:
+            self.skipTest("mounting a file system read-only needs root, and mount")
+        self.addCleanup(subprocess.run, ["umount", "-l", mount], capture_output=True)
+        path = os.path.join(mount, "runs.db")
+        with agent_loop.SqliteStore(path) as store:
+            store.add("job")  # a good store, closed: its write-ahead log's index goes with it
+        subprocess.run(["mount", "-o", "remount,ro", mount], check=True, capture_output=True)
+        refused = []
+        for opening in (lambda: agent_loop.SqliteStore(path),
+                        lambda: agent_loop.SqlStore(lambda: sqlite3.connect(path, isolation_level=None))):
+            with self.assertRaises(ValueError) as raised:
+                opening()
+            refused.append(str(raised.exception))
+        self.assertEqual(refused, [f"{path}: read-only: a store must write",
+                                   "the database: read-only: a store must write"])
+
     async def test_both_forms_of_sqlite3s_autocommit_are_connections_the_store_works_on(self):
         forms = [dict(isolation_level=None)] + [dict(autocommit=True)] * (sys.version_info >= (3, 12))  # (new in 3.12)
         for number, form in enumerate(forms):
@@ -6599,6 +6620,45 @@ class PostgresLeaseTests(OnPostgres, LeaseTests):
                 self.assertEqual(worker.wait(timeout=60), 0)
                 log.seek(0)
                 self.assertIn(log.read().splitlines()[-1], ('"store_failed"', '"superseded"'))  # fenced as it woke
+
+    async def test_a_worker_frozen_as_it_claims_the_next_run_is_ended_and_the_run_handed_out(self):
+        store = self.store()
+        store.add("job")
+        worker, log = self.frozen("job", "claim_next")  # the run's row locked, no lease saved: its lease is none
+        claimed = []
+        await wait_until(lambda: claimed.append(store.claim_next()) or claimed[-1] == "job", 30)
+        result = await run_agent(store=store, run_id="job", limits=SLOW_ROOMY)
+        self.assertEqual((result["status"], store.load("job")["generation"]), ("completed", 1))
+        os.kill(worker.pid, signal.SIGCONT)
+        self.assertEqual(worker.wait(timeout=60), 0)
+        log.seek(0)
+        self.assertEqual(log.read().splitlines()[-1], '"AdminShutdown"')  # the store ended its session: no claim
+
+    async def test_a_takeover_that_waits_for_a_frozen_holder_leaves_the_stores_thread_to_its_other_calls(self):
+        worker, _ = self.frozen("job", lease=4.0)
+        store, other = self.store(), self.store()
+        met, unstall = threading.Event(), store._unstall
+
+        def watched(run_id=None):  # the takeover's claim met the holder's lock, and waits for its lease to run out
+            met.set()
+            return unstall(run_id)
+
+        store._unstall = watched
+        takeover = asyncio.create_task(run_agent(store=store, run_id="job", limits=SLOW_ROOMY))
+        self.assertTrue(await asyncio.to_thread(met.wait, 30))
+        store.add("another")  # a call of another run, on the same store's thread
+        self.assertEqual(other.load("job")["generation"], 1)  # answered while the takeover still waited
+        result = await takeover
+        self.assertEqual((result["status"], other.load("job")["generation"]), ("completed", 2))
+        os.kill(worker.pid, signal.SIGCONT)
+
+    def test_a_connection_whose_client_encoding_cannot_carry_the_stores_text_is_refused_naming_it(self):
+        import psycopg
+        with self.assertRaises(ValueError) as raised:
+            agent_loop.SqlStore(lambda: psycopg.connect(self.where, autocommit=True,
+                                                        options="-c client_encoding=LATIN1"))
+        self.assertEqual(str(raised.exception), "the connection sends text in LATIN1, which cannot carry all of the "
+                                                "store's text: it needs client_encoding UTF8")
 
     async def test_claim_next_hands_out_a_run_whose_holder_froze_mid_save_once_its_lease_ran_out(self):
         worker, _ = self.frozen("job")
@@ -7074,6 +7134,26 @@ class JobTests(LeaseCase):
             self.assertIsNone(claimed)
         else:  # its session ended once its lease ran out: the job is another worker's
             self.assertEqual((claimed["id"], claimed["attempt"]), (1, 2))
+
+    async def test_a_worker_frozen_claiming_a_queued_job_holds_it_a_stall_on_postgresql_and_the_lock_on_sqlite(self):
+        store = self.impatient(lease_seconds=JOB_LEASE)
+        store.submit("ana", "k", "export", {})
+        ready = os.path.join(self.folder, "frozen")
+        worker = subprocess.Popen(child_command("frozen_job_worker", self.kind(), self.where, ready, "claim"),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.addCleanup(worker.wait, 60)
+        self.addCleanup(worker.kill)
+        await wait_until(lambda: os.path.exists(ready), 60)
+        os.kill(worker.pid, signal.SIGSTOP)  # inside its claim's transaction: the queued job's row, or SQLite's lock
+        await asyncio.sleep(agent_loop._STALLED + 0.5)
+        if self.kind() == "sqlite":  # one lock, which no live process can take: the owner hears busy, nobody hangs
+            with self.assertRaises(agent_loop.JobError) as busy:
+                store.status("ana", 1)
+            self.assertEqual((busy.exception.code, await asyncio.to_thread(store.claim_job)), ("busy", None))
+        else:  # a job no lease holds: its claimer's session, stalled, is ended, and the job is another worker's
+            self.assertEqual(store.status("ana", 1)["state"], "queued")
+            claimed = await asyncio.to_thread(store.claim_job)
+            self.assertEqual((claimed["id"], claimed["attempt"]), (1, 1))
 
     def crashed_worker(self, stop):
         """A worker process that claims job 1 and, one step in, writes ready and stops there: killed (SIGKILL), or
@@ -9420,6 +9500,44 @@ class ReadmeTests(RuntimeTestCase):
         self.assertEqual([(name, float(default)) for name, default in rows],
                          [(field.name, float(field.default)) for field in dataclasses.fields(Limits)])
 
+    async def test_the_pools_worker_goes_on_past_a_busy_database_and_the_loop_goes_on_while_it_asks(self):
+        (example,) = code_blocks(readme_section("Many workers, one database"), "python")
+        folder = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, folder)
+        where = os.path.join(folder, "runs.db")
+        with agent_loop.SqliteStore(where) as store:
+            store.add("a")
+            store.add("b")
+        holder = sqlite3.connect(where, isolation_level=None, check_same_thread=False)
+        self.addCleanup(holder.close)
+        ticks, answers = [0], []
+
+        class SqlStore(agent_loop.SqlStore):  # the README's, watched: each claim's answer, and if the loop went on
+            def claim_next(self):
+                if not answers:
+                    holder.execute("BEGIN IMMEDIATE")  # another writer, before the first claim: the database is busy
+                before = ticks[0]
+                answer = super().claim_next()
+                answers.append((answer, ticks[0] > before))
+                if holder.in_transaction:
+                    holder.execute("ROLLBACK")  # the busy spell ends once a claim has met it
+                return answer
+
+        async def tick():
+            while True:
+                ticks[0] += 1
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.create_task(tick())
+        namespace = {"SqlStore": SqlStore, "run_agent": run_agent, "asyncio": asyncio}
+        exec(compile(example, "README.md", "exec"), namespace)
+        connect = lambda: sqlite3.connect(where, isolation_level=None, timeout=0.5, check_same_thread=False)
+        await namespace["worker"](connect, agent_loop.fake_model, Fixtures(delays={}), None)
+        ticker.cancel()
+        self.assertEqual(answers[0], (None, True))  # busy: None, and the loop ticked while the claim waited
+        with agent_loop.SqliteStore(where) as store:
+            self.assertEqual([store.load(run_id)["status"] for run_id in "ab"], ["completed", "completed"])
+
     def test_the_own_prototype_example_runs_as_written(self):
         example = [block for block in code_blocks(readme_section("Copy it into your own prototype"), "python")
                    if "def check(answer, history)" in block]
@@ -10081,8 +10199,8 @@ def pool_worker(kind, where, name, crash, go=""):
     async def main():
         await until_exists(go)
         with agent_loop.SqlStore(connect, lease_seconds=1.0) as store:
-            while store.unfinished():  # the worker loop of the README, and a wait while every run left is leased
-                run_id = store.claim_next()
+            while store.unfinished():  # the worker loop of the README
+                run_id = await asyncio.to_thread(store.claim_next)
                 if run_id is None:
                     await asyncio.sleep(0.05)
                     continue
@@ -10096,11 +10214,12 @@ def pool_worker(kind, where, name, crash, go=""):
     asyncio.run(main())
 
 
-def frozen_worker(kind, where, run_id, ready, freeze):
+def frozen_worker(kind, where, run_id, ready, freeze, lease="1.0"):
     """A worker that runs run_id and freezes inside a transaction of its first save that has something to write: on
     SQLite or PostgreSQL (kind) at where, "between" two of its statements, or, on PostgreSQL, "pipeline": in the
-    middle of executemany's statements. It writes ready and sleeps a moment: the parent stops it there with SIGSTOP,
-    and wakes it later with SIGCONT. It prints its run's status."""
+    middle of executemany's statements; or, with freeze "claim_next", that claims the next run and freezes as its
+    claim's UPDATE is made. It writes ready and sleeps a moment: the parent stops it there with SIGSTOP, and wakes it
+    later with SIGCONT. It prints its run's status (what its claim answered, or the class of what it raised)."""
     def connect():
         if kind == "sqlite":
             return sqlite3.connect(where, isolation_level=None, timeout=30, check_same_thread=False)
@@ -10126,17 +10245,24 @@ def frozen_worker(kind, where, run_id, ready, freeze):
 
         def _sql(self, statement, parameters=()):
             cursor = super()._sql(statement, parameters)
-            if freeze == "between" and statement.startswith("UPDATE agent_loop_runs SET state") and not self.frozen:
+            at = {"between": "UPDATE agent_loop_runs SET state", "claim_next": "UPDATE agent_loop_runs SET generation"}
+            if freeze in at and statement.startswith(at[freeze]) and not self.frozen:
                 self.frozen = True
                 freeze_here()  # its UPDATE made: the row is locked (on SQLite, the whole database)
             return cursor
 
     async def main():
+        if freeze == "claim_next":
+            try:
+                print(json.dumps(store.claim_next()))
+            except Exception as error:  # its session was ended while it was stopped
+                print(json.dumps(type(error).__name__))
+            return
         result = await run_agent(store=store, run_id=run_id, fixtures=Fixtures(delays={}),
                                  limits=Limits(tool_seconds=30, model_seconds=30, total_seconds=120))
         print(json.dumps(result["status"]))
 
-    store = Freezing(connect, lease_seconds=1.0)
+    store = Freezing(connect, lease_seconds=float(lease))
     try:
         asyncio.run(main())
     finally:
@@ -10297,13 +10423,14 @@ def job_pool_worker(kind, where, name, role, go=""):
     asyncio.run(main())
 
 
-def frozen_job_worker(kind, where, ready):
-    """A job worker that claims job 1 and freezes inside its first progress's transaction, its UPDATE made: it
-    writes ready and sleeps there; the parent stops it with SIGSTOP."""
+def frozen_job_worker(kind, where, ready, at="progress"):
+    """A job worker that claims job 1 and freezes inside its first progress's transaction (or, at "claim", inside
+    its claim's), its UPDATE made: it writes ready and sleeps there; the parent stops it with SIGSTOP."""
     class Freezing(agent_loop.SqlStore):
         def _sql(self, statement, parameters=()):
             cursor = super()._sql(statement, parameters)
-            if statement.startswith("UPDATE agent_loop_jobs SET done"):
+            if statement.startswith({"progress": "UPDATE agent_loop_jobs SET done",
+                                     "claim": "UPDATE agent_loop_jobs SET state = 'running'"}[at]):
                 open(ready, "w").close()
                 time.sleep(60)
             return cursor
