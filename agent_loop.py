@@ -2774,6 +2774,12 @@ def _a_name(text):
     return type(text) is str and 1 <= len(text) <= 80 and text.isprintable() and _is_data(text)
 
 
+def _check_attempt(attempt):
+    """A job's attempt, as claim_job gave it, is an int: anything else is a mistake, not a stale claim."""
+    if type(attempt) is not int:
+        raise ValueError("attempt must be an int, as claim_job gave it")
+
+
 def _a_wait(seconds):
     """True for a number of seconds to wait that is 0, or a time limit (finite, > 0, a float's size)."""
     return type(seconds) in (int, float) and seconds == 0 or _a_time_limit(seconds)
@@ -3133,34 +3139,45 @@ class SqlStore(Store):
     @_on_its_thread
     def cancel_run(self, run_id, by="cancel_run"):
         """Cancel a run from anywhere, and ask each of its unfinished jobs to cancel. One that no live lease holds
-        (added, crashed past its lease, paused, set aside) ends cancelled now, its stop event saying `by` whom; one a
-        worker holds stops cancelled at its next save, or before its next call starts. Its status after: cancelled,
-        "cancel_requested", that of a run that had ended (left as it was), or None for none of that id."""
+        (added, crashed past its lease, paused, set aside) ends cancelled now, its stop event saying `by` whom (the
+        calls a crash cut observed interrupted); one a worker holds, or with a write that may have applied (cut once
+        handed to its tool, or awaiting its outcome), stops cancelled at its next save (once that write is settled),
+        or before its next call starts, saying who asked first. Its status after: cancelled, "cancel_requested", that
+        of a run that had ended (left as it was), or None for none of that id."""
         _checked_run_id(run_id)
         if not _a_name(by):
             raise ValueError("by must be a string of 1 to 80 printable characters")
         with self._transaction():
             generation, holder, until, now = self._held(run_id)
-            row = self._sql("SELECT status, state, waits FROM agent_loop_runs WHERE run_id = ?", (run_id,)).fetchone()
+            row = self._sql("SELECT status, state, waits, config, cancel FROM agent_loop_runs WHERE run_id = ?",
+                            (run_id,)).fetchone()
             if row is None or row[0] is not None:
                 return None if row is None else row[0]
             self._cancel_jobs(run_id)
             last = self._sql("SELECT body FROM agent_loop_records WHERE run_id = ? ORDER BY round DESC LIMIT 1",
                              (run_id,)).fetchone()
             record = json.loads(last[0]) if last else None
-            cut = record is not None and len(record["observations"]) < len(record["calls"]) and row[2] != "approval"
-            # A worker holds it, a crash cut its batch (whose calls may have run), or it waits for a write's outcome:
-            # the cancel is asked, and the run ends cancelled at its next save, once its resume settled what it must.
-            if holder is not None and until is not None and until > now or row[2] == "outcome" or cut:
-                self._sql("UPDATE agent_loop_runs SET cancel = ? WHERE run_id = ?", (by, run_id))
-                return "cancel_requested"
             state = json.loads(row[1]) if row[1] else _NOTHING_SAVED
-            if record is not None and len(record["observations"]) < len(record["calls"]):  # waited for approvals
-                record["observations"] += [{**item, "ok": False, "error": "cancelled", "retryable": False}
-                                           for item in record["calls"][len(record["observations"]):]]
+            cut = [] if record is None else record["calls"][len(record["observations"]):]
+            crashed = bool(cut) and row[2] != "approval"  # a crash cut the batch: any call of it may have started
+            unknown = crashed and any(state.get("writes", {}).get(item["call_id"], {}).get("started") for item in cut)
+            # A worker holds it, or a write may have applied (a crash cut it once handed to its tool, or it waits for
+            # its outcome): the cancel is asked (the first asker kept), and the run ends cancelled at its next save,
+            # once its resume settled that write.
+            if holder is not None and until is not None and until > now or row[2] == "outcome" or unknown:
+                self._sql("UPDATE agent_loop_runs SET cancel = COALESCE(cancel, ?) WHERE run_id = ?", (by, run_id))
+                return "cancel_requested"
+            if crashed:  # charged as its resume would, each call once, at the cost its config saved (a tool it loaded
+                costs = json.loads(row[3])["registry"] if row[3] else {}  # from a catalog: 0, unknown to the store)
+                used = state["used"]
+                state = {**state, "used": {**used, "calls": used["calls"] + len(cut), "credits": used["credits"] + sum(
+                    costs.get(item["name"], [0])[0] for item in cut)}}
+            if cut:  # a crash cut it, or it waited for approvals: then none of it started
+                record["observations"] += [{**item, "ok": False, "error": "interrupted" if crashed else "cancelled",
+                                            "retryable": crashed} for item in cut]
                 self._sql("UPDATE agent_loop_records SET body = ? WHERE run_id = ? AND round = ?",
                           (json.dumps(record), run_id, record["round"]))
-            stop = {"event": "stop", "status": "cancelled", **state["used"], "by": by, "run_id": run_id}
+            stop = {"event": "stop", "status": "cancelled", **state["used"], "by": row[4] or by, "run_id": run_id}
             (last,) = self._sql("SELECT MAX(seq) FROM agent_loop_events WHERE run_id = ?", (run_id,)).fetchone()
             self._sql("INSERT INTO agent_loop_events VALUES (?, ?, ?)", (run_id, (last or 0) + 1, json.dumps(stop)))
             self._sql("UPDATE agent_loop_runs SET status = 'cancelled', answer = ?, waits = NULL, holder = NULL, "
@@ -3182,9 +3199,12 @@ class SqlStore(Store):
 
     def _cancel_jobs(self, run_id):
         """Ask each unfinished job the run submitted to cancel: a queued one is cancelled, a running one asked."""
-        for job_id, state, attempt in self._sql("SELECT id, state, attempt FROM agent_loop_jobs WHERE run_id = ? AND "
-                                                "state IN ('queued', 'running')", (run_id,)).fetchall():
-            self._job_ends(job_id, "cancelled" if state == "queued" else "cancel_requested", attempt)
+        for job_id, in self._sql("SELECT id FROM agent_loop_jobs WHERE run_id = ? AND state IN ('queued', 'running') "
+                                 "ORDER BY id", (run_id,)).fetchall():
+            # Read again with its row locked, as the worker's calls read it: a finish committed meanwhile is final.
+            state, attempt = self._job(job_id)[:2]
+            if state in ("queued", "running"):
+                self._job_ends(job_id, "cancelled" if state == "queued" else "cancel_requested", attempt)
 
     # Jobs: work that outlives a call. Its owner submits it and holds a receipt; a worker claims it under a lease,
     # reports its progress, and finishes or fails it; the owner follows its events and fetches its result later.
@@ -3345,6 +3365,7 @@ class SqlStore(Store):
     def progress(self, job_id, attempt, done, total):
         """Save the attempt's progress (done of total, never backwards), renew its lease, and return the job's
         state: cancel_requested tells its worker to stop. Superseded if this attempt holds the job no longer."""
+        _check_attempt(attempt)
         if type(done) is not int or type(total) is not int or not 0 <= done <= total <= _MOST:
             raise ValueError("done and total must be ints, 0 <= done <= total")
         with self._transaction():
@@ -3361,6 +3382,7 @@ class SqlStore(Store):
     @_on_its_thread
     def renew_job(self, job_id, attempt):
         """Extend the attempt's lease by lease_seconds from now, and return the job's state, as progress does."""
+        _check_attempt(attempt)
         with self._transaction():
             state, _, _, _, now = self._held_job(job_id, attempt)
             self._sql("UPDATE agent_loop_jobs SET lease_until = ? WHERE id = ?", (now + self.lease_seconds, job_id))
@@ -3371,6 +3393,7 @@ class SqlStore(Store):
         """Store the attempt's result, in one transaction with its state and event: True. False, and no result, for
         a job that had ended already (checked first, whoever asks), one whose cancel was asked for (it is cancelled
         now) or past its deadline (failed, deadline_exceeded). Superseded if this attempt holds the job no longer."""
+        _check_attempt(attempt)
         if not _is_data(result):
             raise ValueError("result must be plain JSON data")
         with self._transaction():
@@ -3395,6 +3418,7 @@ class SqlStore(Store):
         """The attempt failed: with retry_after seconds, an attempt left and the next try before the deadline, the
         job is queued again, claimable from then on; else it fails with error, a short code. Its state after (a
         job whose cancel was asked for is cancelled). Superseded if this attempt holds the job no longer."""
+        _check_attempt(attempt)
         if not _a_name(error):
             raise ValueError("error must be a short code, a string of 1 to 80 printable characters")
         if retry_after is not None and not _a_wait(retry_after):
@@ -3466,12 +3490,13 @@ class SqlStore(Store):
         return state, most, done, deadline, now
 
     def _job_ends(self, job_id, state, attempt, error=None, **said):
-        """The job's new state (a final one lets its lease go), and its event."""
+        """The job's new state (a final one lets its lease go), and its event; a job that has ended stays as it is."""
         final = state not in _UNFINISHED
-        self._sql("UPDATE agent_loop_jobs SET state = ?, error = ?" + (", holder = NULL, lease_until = NULL" if final
-                                                                       else "") + " WHERE id = ?",
-                  (state, error, job_id))
-        self._job_event(job_id, state, attempt, **({"error": error} if error else {}), **said)
+        changed = self._sql("UPDATE agent_loop_jobs SET state = ?, error = ?" + (
+            ", holder = NULL, lease_until = NULL" if final else "") + " WHERE id = ? AND state IN ('queued', "
+            "'running', 'cancel_requested')", (state, error, job_id)).rowcount
+        if changed:
+            self._job_event(job_id, state, attempt, **({"error": error} if error else {}), **said)
 
     def _job_event(self, job_id, event, attempt, **said):
         (last,) = self._sql("SELECT MAX(seq) FROM agent_loop_job_events WHERE job_id = ?", (job_id,)).fetchone()
@@ -4223,9 +4248,10 @@ async def work_jobs(store, functions):
     progress(done, total) a plain function too; an async one awaited, its progress async. Its lease is kept while it
     runs (renewed every third of it). progress saves how far it got; once a cancel was asked for, it raises, the
     function stops there, and the cancel is confirmed. What the function returns (plain data) is the job's result;
-    RetryLater(seconds) asks for another attempt then; anything else fails it with the class's name, never its
-    message. A worker fenced (its lease ran out, another claimed the job) leaves the job to the other: a thread it
-    gave up on runs on, and whatever it returns is refused."""
+    RetryLater(seconds) asks for another attempt then; anything else fails it with the class's name ("error" for a
+    name that is not a short code), never its message; a Superseded it raises too. A worker fenced (its lease ran
+    out, another claimed the job) leaves the job to the other: a thread it gave up on runs on, and whatever it
+    returns is refused."""
     if not isinstance(store, SqlStore):
         raise ValueError("store must be a SqlStore")
     if type(functions) is not dict or not functions or not all(
@@ -4252,9 +4278,19 @@ async def _work(store, function, job):
     if type(params) is not dict:
         await _patiently(store, store.fail, job_id, attempt, "params_not_an_object")
         return
+    fenced = []  # this worker's own fence, met at a progress report (a Superseded the function raises is its failure)
+
+    def met(error):
+        fenced.append(error)
+        return error
+
     if _is_async(function):
         async def progress(done, total):
-            if await _patiently(store, store.progress, job_id, attempt, done, total) == "cancel_requested":
+            try:
+                state = await _patiently(store, store.progress, job_id, attempt, done, total)
+            except Superseded as error:
+                raise met(error)
+            if state == "cancel_requested":
                 raise _Cancelled
 
         async def called():  # whatever it raises, its call's own arguments too, is the job's outcome
@@ -4270,7 +4306,11 @@ async def _work(store, function, job):
         running = asyncio.ensure_future(called())
     else:
         def progress(done, total):  # called in the function's thread: it waits for the store's answer
-            if _patiently_here(store, store.progress, job_id, attempt, done, total) == "cancel_requested":
+            try:
+                state = _patiently_here(store, store.progress, job_id, attempt, done, total)
+            except Superseded as error:
+                raise met(error)
+            if state == "cancel_requested":
                 raise _Cancelled
 
         running = asyncio.ensure_future(_in_thread(lambda: function(**params, progress=progress), {}))
@@ -4286,12 +4326,13 @@ async def _work(store, function, job):
         await _patiently(store, store.finish, job_id, attempt, _copy(running.result()))
     elif isinstance(error, _Cancelled):
         await _patiently(store, store.finish, job_id, attempt, None)  # confirmed: no result, cancelled
-    elif isinstance(error, Superseded):
-        raise error
+    elif fenced:
+        raise fenced[0]
     elif isinstance(error, RetryLater) and _a_wait(error.seconds):
         await _patiently(store, store.fail, job_id, attempt, "retry_later", error.seconds)
-    else:
-        await _patiently(store, store.fail, job_id, attempt, "result_not_data" if error is None else _error_type(error))
+    else:  # its class's name, if that is a short code a job's error can be
+        code = "result_not_data" if error is None else _error_type(error)
+        await _patiently(store, store.fail, job_id, attempt, code if _a_name(code) else "error")
 
 
 async def _patiently(store, method, *args):
@@ -6020,8 +6061,8 @@ def _job_line(job, now):
 
 async def see_store(path, follow=None):
     """Print a SQLite store's runs and jobs, a line each; or, following a run, each of its events as it is saved,
-    until the run has ended (a pause is no end: it goes on once the run does). The file is read, never written: a
-    reader of the write-ahead log goes on beside a writer."""
+    until the run has ended (a pause is no end: it goes on once the run does); a run it does not hold: ValueError.
+    The file is read, never written: a reader of the write-ahead log goes on beside a writer."""
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5, check_same_thread=False)
     sql = lambda statement, parameters=(): db.execute(statement, parameters).fetchall()  # noqa: E731
     try:
@@ -6035,6 +6076,9 @@ async def see_store(path, follow=None):
             lines = [_run_line(run, now) for run in seen["runs"]] + [_job_line(job, now) for job in seen["jobs"]]
             print("\n".join(lines or ["(an empty store)"]))
             return
+        _checked_run_id(follow)
+        if not await asyncio.to_thread(sql, "SELECT 1 FROM agent_loop_runs WHERE run_id = ?", (follow,)):
+            raise ValueError(f"{path}: no run {follow!r}")  # (one added, not started yet, is a run: followed)
         after = 0
         while True:
             for event in await asyncio.to_thread(_trace, sql, follow, after):

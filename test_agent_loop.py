@@ -5958,6 +5958,18 @@ class WriteTests(StoreTestCase):
         done = await self.order(store, desk, approvals={"r3-order": "approve"})
         self.assertEqual((done["status"], list(desk.orders.values())[0]["items"]), ("completed", PLAN["items"]))
 
+    def test_a_cancel_of_a_run_a_crash_cut_in_a_write_waits_for_the_write_and_names_who_asked_first(self):
+        folder = tempfile.mkdtemp(prefix="agent_loop_write_")
+        self.addCleanup(shutil.rmtree, folder, True)
+        store, service, ready = (os.path.join(folder, name) for name in ("runs.db", "service.db", "ready"))
+        run_in_a_process("writing_run", store, service, ready, "after_apply", kill_when=ready)
+        with agent_loop.SqliteStore(store, clock=lambda: time.time() + 3600) as later:  # its lease has run out
+            asked = (later.cancel_run("order", by="ops"), later.cancel_run("order", by="ops2"))
+            self.assertEqual((asked, later.overview()["runs"][0]["cancel"]), (("cancel_requested",) * 2, "ops"))
+        result = run_in_a_process("writing_run", store, service, ready, "none")  # its write settled, then its end
+        order = result["history"][2]["observations"][0]
+        self.assertEqual((result["status"], result["trace"][-1]["by"], order["reconciled"]), ("cancelled", "ops", True))
+
     def test_a_write_killed_after_it_applied_applies_once_after_the_resume(self):
         folder = tempfile.mkdtemp(prefix="agent_loop_write_")
         self.addCleanup(shutil.rmtree, folder, True)
@@ -7082,6 +7094,47 @@ class JobTests(LeaseCase):
         self.assertEqual(await agent_loop.work_jobs(store, functions), len(cases))
         self.assertEqual([(store.status("ana", n + 1)["state"], store.status("ana", n + 1)["error"])
                           for n in range(len(cases))], [("failed", error) for *_, error in cases])
+
+    async def test_a_superseded_the_function_raises_or_a_class_name_no_code_can_be_fails_its_job_by_a_short_code(self):
+        odd = type("Quota\nExceeded", (Exception,), {})  # a class's name is not always a short code
+
+        def superseded(progress):  # its own store's fence, say: not this worker's
+            raise agent_loop.Superseded("another-run", "stale")
+
+        async def superseded_async(progress):
+            raise agent_loop.Superseded("another-run", "stale")
+
+        def odd_name(progress):
+            raise odd("private detail")
+
+        async def no_name(progress):
+            raise type("", (Exception,), {})()
+
+        store = self.store(lease_seconds=5)
+        kinds = ("superseded", "superseded_async", "odd_name", "no_name")
+        for kind in kinds:
+            store.submit("ana", kind, kind, {}, max_attempts=2)
+        functions = {"superseded": superseded, "superseded_async": superseded_async, "odd_name": odd_name,
+                     "no_name": no_name}
+        self.assertEqual(await agent_loop.work_jobs(store, functions), 4)  # each once: none left running
+        self.assertEqual([(store.status("ana", n)["state"], store.status("ana", n)["error"]) for n in (1, 2, 3, 4)],
+                         [("failed", "Superseded"), ("failed", "Superseded"), ("failed", "error"), ("failed", "error")])
+        self.assertEqual([self.events(store, n) for n in (1, 2, 3, 4)], [["submitted", "claimed", "failed"]] * 4)
+        self.assertNotIn("private", json.dumps(store.events("ana", 3)))
+
+    def test_an_attempt_that_is_not_an_int_is_a_value_error_not_a_stale_claim(self):
+        store, now = self.clocked()
+        store.submit("ana", "k", "export", {})
+        now[0] = 1
+        self.assertEqual(store.claim_job()["attempt"], 1)
+        for attempt in ("1", None, True, 1.0):
+            for call in (lambda: store.progress(1, attempt, 1, 2), lambda: store.finish(1, attempt, {}),
+                         lambda: store.fail(1, attempt, "busy"), lambda: store.renew_job(1, attempt)):
+                with self.subTest(attempt=attempt):
+                    with self.assertRaises(ValueError) as refused:
+                        call()
+                    self.assertEqual(str(refused.exception), "attempt must be an int, as claim_job gave it")
+        self.assertEqual((store.status("ana", 1)["state"], self.events(store, 1)), ("running", ["submitted", "claimed"]))
 
     async def test_a_worker_waits_out_a_busy_database_to_finish_its_job(self):
         store = self.impatient(lease_seconds=5)
@@ -8379,7 +8432,7 @@ class JobRunTests(LeaseCase):
         self.assertEqual((result["status"], result["trace"][-1]["error_type"]), ("store_failed", "OperationalError"))
         self.assertNoPrivateText(result)
 
-    async def test_cancel_run_leaves_what_a_crash_cut_to_the_runs_resume_and_observes_a_paused_batch(self):
+    async def test_cancel_run_ends_a_run_a_crash_cut_in_its_reads_at_once_and_observes_a_paused_batch(self):
         now = [time.time()]
         store = self.store(lease_seconds=1, clock=lambda: now[0])
         held = Fixtures(delays={"north": 30})
@@ -8388,10 +8441,11 @@ class JobRunTests(LeaseCase):
         running.cancel()  # the crash, while both reads run
         await asyncio.gather(running, return_exceptions=True)
         now[0] += 5  # its lease ran out
-        self.assertEqual(store.cancel_run("cut"), "cancel_requested")  # its reads may have run: its resume says so
+        self.assertEqual((store.cancel_run("cut", by="ops"), store.claim_next()), ("cancelled", None))  # no write
         ended = await run_agent(store=store, run_id="cut", fixtures=Fixtures(delays={}), limits=ROOMY)
-        self.assertEqual((ended["status"], ended["used"], errors(ended)),
-                         ("cancelled", {"rounds": 1, "calls": 2, "credits": 7}, ["interrupted", "interrupted"]))
+        self.assertEqual((ended["status"], ended["used"], errors(ended), ended["trace"][-1]["by"]),
+                         ("cancelled", {"rounds": 1, "calls": 2, "credits": 7}, ["interrupted", "interrupted"], "ops"))
+        self.assertNotIn("resumed", [event["event"] for event in ended["trace"]])  # the store ended it: no worker
         model = scripted(calls(call("a", "ja", x=1), call("w", "wr", x=2)), final("done"))
         paused = await run_agent(model, **JOB_RUN_OPTIONS, store=store, run_id="ask", approve=lambda write: "ask")
         self.assertEqual((paused["status"], store.cancel_run("ask")), ("awaiting_approval", "cancelled"))
@@ -8451,6 +8505,33 @@ class JobRunTests(LeaseCase):
 
 class PostgresJobRunTests(OnPostgres, JobRunTests):
     """The tests of runs that wait for jobs, cancelled and followed, on a PostgreSQL server of their own."""
+
+    async def test_a_cancel_racing_a_jobs_finish_never_turns_the_finished_job_back(self):
+        import psycopg
+        store, worker = self.store(), self.store()
+        await run_agent(agent_loop.receipt_model, approve=lambda write: "approve", **self.run_options(store))
+        job = worker.claim_job()
+        pids = [one._thread.submit(lambda one=one: one.db.info.backend_pid).result() for one in (worker, store)]
+        other = psycopg.connect(self.where, autocommit=True)
+        self.addCleanup(other.close)
+
+        async def waits(pid):  # the connection waits for a lock another transaction holds
+            await wait_until(lambda: other.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
+                                                   (pid,)).fetchone()[0] == "Lock", 60)
+
+        other.execute("BEGIN")  # the job's next event held: the finish waits there, its job row locked and written
+        other.execute("INSERT INTO agent_loop_job_events SELECT job_id, MAX(seq) + 1, '{}' FROM agent_loop_job_events "
+                      "WHERE job_id = %s GROUP BY job_id", (job["id"],))
+        finishing = asyncio.ensure_future(asyncio.to_thread(worker.finish, job["id"], job["attempt"], {"rows": 3}))
+        await waits(pids[0])
+        cancelling = asyncio.ensure_future(asyncio.to_thread(store.cancel_run, "order", "ops"))
+        await waits(pids[1])  # the cancel waits for the job's row, the finish's transaction still open
+        other.execute("ROLLBACK")
+        self.assertEqual((await finishing, await cancelling), (True, "cancelled"))
+        self.assertEqual((store.status("order", job["id"])["state"], (store.result("order", job["id"]) or {}).get("result")),
+                         ("succeeded", {"rows": 3}))
+        self.assertEqual([event["event"] for event in store.events("order", job["id"])],
+                         ["submitted", "claimed", "succeeded"])
 
 
 class StandaloneRuntimeTests(unittest.TestCase):
@@ -9463,6 +9544,19 @@ class SeeStoreTests(LeaseCase):
         self.assertEqual([json.loads(line) for line in followed.stdout.splitlines()], store.load("done")["trace"])
         missing = run_command("store", os.path.join(self.folder, "none.db"))
         self.assertEqual((missing.returncode, missing.stderr.splitlines()[-1].endswith(": no such file")), (2, True))
+
+    def test_following_a_run_the_store_does_not_have_says_so_and_fails_and_an_added_one_is_followed(self):
+        store = self.store()
+        store.add("added")  # a run, not started yet
+        absent = run_command("store", self.where, "--follow", "nobody")
+        self.assertEqual((absent.returncode, absent.stdout, absent.stderr.splitlines()[-1]),
+                         (2, "", f"agent_loop.py: error: {self.where}: no run 'nobody'"))
+        follower = subprocess.Popen([sys.executable, os.path.join(HERE, "agent_loop.py"), "store", self.where,
+                                     "--follow", "added"], stdout=subprocess.PIPE, text=True)
+        self.addCleanup(follower.kill)
+        self.assertEqual(store.cancel_run("added", by="ops"), "cancelled")
+        out, _ = follower.communicate(timeout=60)
+        self.assertEqual((follower.returncode, [json.loads(line)["by"] for line in out.splitlines()]), (0, ["ops"]))
 
 
 # The README's examples, and the result-ownership experiment (result_ownership.py, verify_ownership.py,
