@@ -1755,19 +1755,24 @@ def _model(create, options, turns, replay, tools, decide):
     return model
 
 
-def _offered(tools, registry, catalog):
+def _offered(tools, registry, catalog, grants):
     """The tools of each request, a function of history: the registry's, as tools() declares them; with a catalog
-    (PART 13), its two tools and those this history loaded too, and nothing else the catalog holds."""
+    (PART 13), its two tools and those this history loaded whose permission the grants (run_agent's, read again at
+    each request) hold now, and nothing else the catalog holds."""
     offered = tools(registry)  # a registry that cannot be offered is a ValueError now, not at the first request
-    if catalog is None:
+    if catalog is None and grants is None:
         return lambda history: offered
     if not callable(getattr(catalog, "offered", None)):
-        raise ValueError("catalog must be a Catalog")
-    clash = [name for name in registry if name in catalog.offered([])]
+        raise ValueError("catalog must be a Catalog, given with its grants")
+    if grants is None:
+        raise ValueError("grants: a bridge given a catalog needs the run's grants too")
+    if not _plain_function(grants):
+        _grants(grants)
+    clash = [name for name in registry if name in catalog.offered([], frozenset())]
     if clash:
         raise ValueError(f"{clash[0]}: a name of the catalog's own tools, in the registry")
-    return lambda history: [*offered, *tools({name: spec for name, spec in catalog.offered(history).items()
-                                              if name not in registry})]
+    return lambda history: [*offered, *tools({name: spec for name, spec in catalog.offered(
+        history, _granted(grants)).items() if name not in registry})]
 
 
 def _task(task):
@@ -1825,10 +1830,10 @@ def responses_input(history):
     return items
 
 
-def responses_model(create, task, registry=TOOLS, catalog=None, **options):
+def responses_model(create, task, registry=TOOLS, catalog=None, grants=None, **options):
     """A model for run_agent that asks a Responses API create() for every decision; options go into every request."""
     return _model(create, options, ("input", _task(task)), responses_input,
-                  _offered(responses_tools, registry, catalog), from_responses)
+                  _offered(responses_tools, registry, catalog, grants), from_responses)
 
 
 # OpenAI Chat Completions (also what vLLM, llama.cpp, Ollama and others serve)
@@ -1870,10 +1875,10 @@ def chat_messages(history):
     return messages
 
 
-def chat_model(create, task, registry=TOOLS, catalog=None, **options):
+def chat_model(create, task, registry=TOOLS, catalog=None, grants=None, **options):
     """A model for run_agent that asks a Chat Completions create() for every decision; options go into every request."""
-    return _model(create, options, ("messages", _task(task)), chat_messages, _offered(chat_tools, registry, catalog),
-                  from_chat)
+    return _model(create, options, ("messages", _task(task)), chat_messages,
+                  _offered(chat_tools, registry, catalog, grants), from_chat)
 
 
 # Anthropic Messages
@@ -1928,13 +1933,13 @@ def messages_input(history):
     return messages
 
 
-def messages_model(create, task, registry=TOOLS, catalog=None, **options):
+def messages_model(create, task, registry=TOOLS, catalog=None, grants=None, **options):
     """A model for run_agent that asks a Messages API create() for every decision; options (max_tokens is required
     by the API) go into every request."""
     if "max_tokens" not in options:
         raise ValueError("messages_model needs max_tokens: the Messages API requires it")
     return _model(create, options, ("messages", _task(task)), messages_input,
-                  _offered(messages_tools, registry, catalog), from_messages)
+                  _offered(messages_tools, registry, catalog, grants), from_messages)
 
 
 # PART 9: tools from an MCP server, under the same preflight, budgets and time limits
@@ -3761,6 +3766,12 @@ def _grants(grants):
     return frozenset(grants)
 
 
+def _granted(grants):
+    """The grants as they stand: the set given, or what the function returns now (nothing, if it fails)."""
+    said = _plain_call(grants) if callable(grants) else grants
+    return frozenset(said) if type(said) in (set, frozenset) and all(type(g) is str for g in said) else frozenset()
+
+
 class Catalog:
     """Tools registered under a permission, with search keywords and a version: search among what given grants may
     use, load whole definitions under a byte budget, and authorize a call again when it runs.
@@ -3862,11 +3873,14 @@ class Catalog:
             return "denied"
         return None if digest == entry.digest else "stale_definition"
 
-    def offered(self, history):
+    def offered(self, history, grants):
         """The tools a request offers a model in a run with this history, beyond its registry: the catalog's two and
-        each one its history loaded, as loaded (a model is told what it loaded, and the gate says if it may run)."""
-        offered = dict(_CATALOG_SPECS)
+        each one its history loaded whose permission these grants hold now, as loaded (the gate says if it may run).
+        A tool whose grant went is offered no more; what the model was shown before stays in its history."""
+        offered, grants = dict(_CATALOG_SPECS), _grants(grants)
         for name, definition in _loaded(history).items():
+            if name not in self.entries or self.entries[name].permission not in grants:
+                continue  # hidden now (or gone): never named in a request
             with contextlib.suppress(ValueError, KeyError):  # a definition a hand-edited store spoilt is not offered
                 spec = ToolSpec(1, definition["effect"] == "read", False, description=definition["description"],
                                 parameters=definition["parameters"])
@@ -3975,14 +3989,14 @@ class _CatalogRun(Part):
             writes(tools, sorted(name for name, spec in entries.items() if not spec.read_only))
         part = cls()
         part.catalog, part.grants, part.base, part.loaded, part.offered = catalog, grants, dict(run.registry), {}, False
+        part.functions = tools  # what runs a loaded tool, asked again of each entry a load names (_CatalogRun.runs)
         part.now = part._granted()
         run.registry.update(_CATALOG_SPECS)
         return part
 
     def _granted(self):
         """The grants as they stand: the set given, or what the function returns now (nothing, if it fails)."""
-        said = _plain_call(self.grants) if callable(self.grants) else self.grants
-        return frozenset(said) if type(said) in (set, frozenset) and all(type(g) is str for g in said) else frozenset()
+        return _granted(self.grants)
 
     async def resume(self, run, ended):
         run.tools = _innermost(run.tools, partial(_CatalogTools, self))  # its two tools are the catalog's
@@ -4005,10 +4019,32 @@ class _CatalogRun(Part):
         run.authorize = self.authorize
         return value
 
+    def runs(self, name):
+        """False for an entry this run cannot run as the catalog's tool: a name of its own registry, or one its tools
+        have no function for (an entry added since the run began, which join never checked); a load answers it as
+        unknown_tool, the bytes of an absent name's. True for any other name, the catalog's to answer."""
+        entry = self.catalog.entries.get(name) if type(name) is str else None
+        if entry is None:
+            return True
+        if name in self.base:
+            return False
+        check = getattr(type(self.functions), "check_registry", None)
+        writes = getattr(type(self.functions), "check_writes", None)
+        try:
+            if check is not None:
+                check(self.functions, {name: entry.spec})
+            if writes is not None and not entry.spec.read_only:
+                writes(self.functions, [name])
+        except Exception:  # whatever the check raised: the entry cannot run here
+            return False
+        return True
+
     def authorize(self, name):
         """(status, reason) for a loaded tool that may not run now; None for any other tool, and one that may."""
         if name in self.base or name not in self.loaded:
             return None
+        if not self.runs(name):  # never something other than what was loaded
+            return _GATE["unknown_tool"]
         said = self.catalog.authorize(name, self.loaded[name]["digest"], self.now)
         return None if said is None else _GATE[said]
 
@@ -4068,6 +4104,11 @@ class _CatalogTools:
         if call["name"] == "search_tools":
             return {"candidates": catalog.search(args["query"], grants)}
         if call["name"] == "load_tools":
+            for name in args["names"]:  # in order, as the load looks: the first name it cannot load is the answer
+                if name not in catalog.entries or catalog.entries[name].permission not in grants:
+                    break  # absent or hidden: the load says so
+                if not self.part.runs(name):
+                    return {"error": "unknown_tool", "name": name}  # as an absent name's, the same bytes
             return catalog.load(args["names"], grants, catalog.budget_bytes)
         return await self.tools.invoke(call)
 
@@ -5723,6 +5764,16 @@ def _sent(value):
     return len(_utf8_json(value))
 
 
+async def _after_the_load(make, key, catalog, grants, history, **options):
+    """The catalog's part of the request a bridge sends after the load, as it sends it: its tools (the catalog's, the
+    registry being empty) and its replayed turns (the opening task's left out)."""
+    requests = []
+    model = make(lambda **request: requests.append(request) or {}, "t", registry={}, catalog=catalog, grants=grants,
+                 **options)
+    await model(history)  # its reply, nothing, is no decision: only the request is wanted
+    return _sent(requests[0]["tools"]) + _sent(requests[0][key][len(_task("t")):])
+
+
 async def catalog_numbers():
     """Print the chapter's numbers: what is registered, discoverable and loaded; the bytes each bridge sends for
     them beside the full path; then the five boundaries, each its own outcome."""
@@ -5749,7 +5800,9 @@ async def catalog_numbers():
     for (title, _), row in zip(rows, figures):
         print(f"  {title:<58}" + "".join(f"{figure:>10,}" for figure in row))
     title = "one request after the load, the catalog's part in all"
-    print(f"  {title:<58}" + "".join(f"{sum(column):>10,}" for column in zip(*figures)))
+    sent = (responses_model, "input", {}), (chat_model, "messages", {}), (messages_model, "messages", {"max_tokens": 1})
+    print(f"  {title:<58}" + "".join(f"{figure:>10,}" for figure in [await _after_the_load(
+        make, key, catalog, grants, result["history"][:2], **options) for make, key, options in sent]))
     print(f"  {f'the full path: all {len(full)} discoverable, every request':<58}"
           + "".join(f"{_sent(tools(full)):>10,}" for _, tools, _ in bridges))
     print("\nthe boundaries, each its own outcome:")
