@@ -1021,6 +1021,7 @@ class Part:
       settle(None, record): a resumed run's last round, before it goes on: what a later part waits for, asked about;
       gate(None, record, calls): before the calls of a batch start: observations instead (none of them starts), or Stop;
       attempts(observe, calls): how each of those calls is tried: a function of the call that returns its observation;
+      retry(None, item): a read's retry is about to start, its "retry" event traced: its charge kept first, or Stop;
       before_call(call, item): the call as its tool gets it; a Stop: it neither starts nor counts;
       after_call(obs, item): the call's observation, as it stands;
       named({}): what the result and its stop event carry besides (a named run's run_id);
@@ -2148,16 +2149,17 @@ class _Journal(Part):
     pool sets the run aside); then it claims the run, which fences any other holder, and loads and checks it again.
     It saves at each step that spends, in one transaction each: the decision paid (before the model is asked), the
     batch admitted (before its gate), each write's verdict (before any call of its batch starts), each write handed
-    to its tool (before the tool has it), each observation of a serial batch, the batch's observations, a refusal,
-    the end. A crash keeps what was saved, and the same call later resumes the run: used, history, the ledger and
-    the repeat counts as they were (a "resumed" event marks the join), its deadline counting from its first start
-    (less any time paused). A decision the crash cut stays paid: the model is asked anew. A batch it cut is charged
-    whole, each call once (the retries of a read since the batch was saved are not: their charge is lost with
-    them): each call without an observation is interrupted (retryable), unless it is a write saved as handed to its
-    tool: that one's outcome is unknown. A batch that waited for approvals goes to its gate again. A write whose
-    outcome is unknown is asked about again (the tools' reconcile, with its key, bounded by tool_seconds even past the
-    deadline); once every one is settled, the calls after it that never started run. A round whose observations say
-    the run stopped stops it again. Before each call starts, the claim is checked: a fenced process starts nothing.
+    to its tool (before the tool has it), each retry of a read (before it starts), each observation of a serial
+    batch, the batch's observations, a refusal, the end. A crash keeps what was saved, and the same call later
+    resumes the run: used, history, the ledger and the repeat counts as they were (a "resumed" event marks the
+    join), its deadline counting from its first start (less any time paused). A decision the crash cut stays paid:
+    the model is asked anew. A batch it cut is charged whole, each call once, and each retry its saved "retry"
+    events say was about to start: each call without an observation is interrupted (retryable), unless it is a write
+    saved as handed to its tool: that one's outcome is unknown. A batch that waited for approvals goes to its gate
+    again. A write whose outcome is unknown is asked about again (the tools' reconcile, with its key, bounded by
+    tool_seconds even past the deadline); once every one is settled, the calls after it that never started run. A
+    round whose observations say the run stopped stops it again. Before each call starts, the claim is checked: a
+    fenced process starts nothing.
     The config compared on resume holds the registry's names, costs, permissions, job flags and schemas, and the
     limits: a tool's validate and description are not compared (a function cannot be).
 
@@ -2230,6 +2232,7 @@ class _Journal(Part):
                          for name, spec in run.registry.items()}}))
         self.holding, self.renewal, self.lost, self.unresumable, self.generation = False, None, None, False, None
         self.given = set()  # the writes this process handed to their tool
+        self.saving = asyncio.Lock()  # the retries of a parallel batch keep their charges one save at a time
 
     async def _open(self, run):
         """Load, check, claim, load and check again: a ValueError gives back a lease claim_next or the claim took."""
@@ -2251,6 +2254,7 @@ class _Journal(Part):
             raise
         state = saved["state"] if saved else _NOTHING_SAVED
         self.saved, self.saved_records, self.events = saved, [], 0
+        self.kept = _copy(state["used"])  # used as last saved between calls: what a retry's save keeps as used
         self.writes, self.waits, self.asked_at = _copy(state["writes"]), state["waits"], state["asked_at"]
         # A run paused until now ends its pause here: the time paused is no time of the run's.
         since = state["paused_at"]
@@ -2334,9 +2338,10 @@ class _Journal(Part):
             return None
         self.waits = None
         cut = record["calls"][len(record["observations"]):]
-        if cut:  # admitted, then the crash: any call of the rest may have started
-            run.used["calls"] += len(cut)
-            run.used["credits"] += _cost(run.registry, cut)
+        if cut:  # admitted, then the crash: any call of the rest may have started, and each retry kept did
+            retried = _retried(run.trace, record, cut)
+            run.used["calls"] += len(cut) + len(retried)
+            run.used["credits"] += _cost(run.registry, cut) + _cost(run.registry, retried)
             record["observations"] += [self._interrupted(item) for item in cut]
             await run.emit({"event": "observations", "round": record["round"], "ids": _ids(record),
                             "parallel": _parallel(run.registry, record["calls"]), **run.used})
@@ -2348,6 +2353,13 @@ class _Journal(Part):
 
     async def spent(self, run, value):
         await self._save(run)
+        return value
+
+    async def retry(self, run, value, item):
+        """A read's retry about to start: its "retry" event saved first, with used as it stood between calls (the
+        attempts in flight are not in it), so that a resume charges the cut calls once each and this retry too."""
+        async with self.saving:
+            await self._save(run, used=self.kept)
         return value
 
     async def gate(self, run, observations, record, calls):
@@ -2457,20 +2469,23 @@ class _Journal(Part):
         return {"used": run.used, "paused": self.paused, "paused_at": self.paused_at, "asked_at": self.asked_at,
                 "waits": self.waits, "writes": self.writes}
 
-    async def _save(self, run, end=None):
+    async def _save(self, run, end=None, used=None):
         """Save what changed since the last save (the run's end too), in one transaction; else Stop("superseded") if
-        another process has claimed the run since, Stop("store_failed") if the store failed: nothing more is saved."""
+        another process has claimed the run since, Stop("store_failed") if the store failed: nothing more is saved.
+        used, if given, is saved in place of run.used (a retry's save: see retry)."""
         if self.lost is not None:
             raise self.lost
         # The records that changed since the last save: the new ones, and the last one saved if it gained observations.
         first = len(run.history) - len(self.saved_records) if self.saved_records else 0
         records = [record for record in run.history[max(first, 0):] if record not in self.saved_records]
+        state, events = {**self._state(run), "used": run.used if used is None else used}, len(run.trace)
         try:
-            await _off_the_loop(self.store, self.store.save, self.run_id, self.generation, _copy(self._state(run)),
-                                _copy(records), _copy(run.trace[self.events:]), end)
+            await _off_the_loop(self.store, self.store.save, self.run_id, self.generation, _copy(state),
+                                _copy(records), _copy(run.trace[self.events:events]), end)
         except Exception as error:  # Superseded, or the database's own error (a full disk, a lock held too long)
             raise self._refused(error) from None
-        self.saved_records, self.events = [_copy(record) for record in run.history[-1:]], len(run.trace)
+        self.saved_records, self.events = [_copy(record) for record in run.history[-1:]], events
+        self.kept = self.kept if used is not None else _copy(state["used"])
         self.holding = self.holding and end is None and self.paused_at is None  # an end or a pause lets it go
 
     def _refused(self, error):
@@ -2557,6 +2572,14 @@ class _Journal(Part):
             self.lost = _lost(error)
             return
         self._renew_later()
+
+
+def _retried(trace, record, cut):
+    """The calls of record's round among cut whose retry a saved "retry" event says was about to start, once per
+    retry (PART 12): each was charged before it started."""
+    cut = {item["call_id"]: item for item in cut}
+    return [cut[event["call_id"]] for event in trace if type(event) is dict and event.get("event") == "retry"
+            and event.get("round") == record["round"] and type(event.get("call_id")) is str and event["call_id"] in cut]
 
 
 def _unwrapped(tools):
@@ -2654,6 +2677,7 @@ def _a_saved_run(saved, registry, limits):
     if (last["round"] not in refused or cut) and any(item["name"] not in registry or type(item["arguments"]) is not
                                                      dict for item in last["calls"]):
         return False
+    cut += _retried(trace, last, cut)  # charged on resume too
     return used["calls"] + len(cut) <= limits.calls and used["credits"] + _cost(registry, cut) <= limits.credits
 
 
@@ -3676,9 +3700,10 @@ class Attempts(Part):
     still to come (each call once, and the retries decided before), and if its wait ends before the deadline; a
     cancel ends the wait. The model sees one observation per call, the first success or the last failure of an
     attempt that started, with "attempts" once more than one started; the trace has a "retry" event as each retry is
-    about to start, saying after what error. Limits.attempts counts the model's calls of a signature, never these.
-    A plain function's attempt that timed out runs on in its thread (FunctionTools): its retry starts a thread of its
-    own, so the cap bounds the attempts the run waits for, not the threads it gave up on."""
+    about to start, saying after what error (a named run saves it first: a resume charges that retry).
+    Limits.attempts counts the model's calls of a signature, never these. A plain function's attempt that timed out
+    runs on in its thread (FunctionTools): its retry starts a thread of its own, so the cap bounds the attempts the
+    run waits for, not the threads it gave up on."""
 
     @classmethod
     async def join(cls, run, given):
@@ -3703,8 +3728,15 @@ class Attempts(Part):
             while True:
                 async with slots:
                     if last is not None:  # a retry: the trace says when it is about to start, and after what
-                        await run.emit({"event": "retry", "round": run.history[-1]["round"], "call_id": item["call_id"],
-                                        "attempt": attempt_number, "after": last["error"], **run.used})
+                        event = {"event": "retry", "round": run.history[-1]["round"], "call_id": item["call_id"],
+                                 "attempt": attempt_number, "after": last["error"], **run.used}
+                        run.trace.append(event)
+                        try:
+                            await run.seam("retry", None, item)  # a named run keeps its charge before it starts
+                        except Stop:  # the store refused it (fenced, failed, a cancel): the run stops at its next save
+                            del run.trace[next(i for i, kept in enumerate(run.trace) if kept is event)]
+                            return last
+                        await _watch(run, event)
                     obs, began = await attempt(item)
                 if last is not None and not began:  # overtaken by a stop: the last failure is the observation
                     return last

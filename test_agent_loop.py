@@ -7367,6 +7367,20 @@ class AttemptTests(RuntimeTestCase):
         self.assertEqual((result["status"], obs["error"], "attempts" in obs, result["used"]["calls"], len(started)),
                          ("cancelled", "temporary", False, 1, 1))
 
+    async def test_the_retries_a_crash_cut_are_charged_on_resume_and_no_tool_starts_past_limits_calls(self):
+        with tempfile.TemporaryDirectory() as folder:
+            path, log = os.path.join(folder, "runs.db"), os.path.join(folder, "started")
+            run_in_a_process("retrying_run", path, log, kill_when=log + ".ready")  # in its flaky read's 4th attempt
+            self.assertEqual(sorted(open(log).read().split()), ["flaky"] * 4 + ["plain"])
+            with agent_loop.SqliteStore(path) as store:
+                result = await run_agent(store=store, **retried_run(log))
+            started = open(log).read().split()
+        self.assertEqual((result["status"], len(started), started[5:]), ("call_limit", 6, ["plain"]))
+        self.assertEqual(result["used"]["calls"], len(started))  # each attempt that started, charged once
+        self.assertEqual(result["used"], {"rounds": 3, "calls": 6, "credits": 3 * 3 + 6})  # a credit each
+        retries = [event["attempt"] for event in result["trace"] if event["event"] == "retry"]
+        self.assertEqual((retries, errors(result)[:2]), ([2, 3, 4], ["interrupted", "interrupted"]))
+
     async def test_a_bad_retries_or_backoff_is_refused_before_a_named_run_is_claimed(self):
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "runs.db")
@@ -10249,6 +10263,48 @@ def catalog_run(store_path, ready, where):
     asyncio.run(main())
 
 
+def retried_run(log, crash=False):
+    """A named run's options: its first batch a flaky read with three retries beside a plain read, then a plain read
+    a round until Limits.calls stops it; each start of a tool a line of log. Given crash, the flaky read's fourth
+    attempt, once the plain read has started, writes log + ".ready" and hangs: the parent kills the child there."""
+    key = {"type": "object", "properties": {"k": {"type": "string"}}, "required": ["k"], "additionalProperties": False}
+
+    async def flaky(k):
+        with open(log, "a") as file:
+            file.write("flaky\n")
+        if crash and open(log).read().count("flaky") == 4:
+            while "plain" not in open(log).read():
+                await asyncio.sleep(0.01)
+            open(log + ".ready", "w").close()
+            await asyncio.sleep(600)
+        raise TemporaryError("busy")
+
+    def plain(k):
+        with open(log, "a") as file:
+            file.write("plain\n")
+        return {"k": k}
+
+    async def model(history):
+        if not history:
+            return calls(call("f", "flaky", k="a"), call("p1", "plain", k="b"))
+        return calls(call(f"p{len(history) + 1}", "plain", k=str(len(history))))
+
+    registry = {"flaky": ToolSpec(1, True, True, parameters=key, retries=3, backoff=(0.001, 0.001)),
+                "plain": ToolSpec(1, True, True, parameters=key)}
+    return dict(model=model, registry=registry, fixtures=agent_loop.FunctionTools({"flaky": flaky, "plain": plain}),
+                limits=dataclasses.replace(SLOW_ROOMY, calls=6, credits=100, rounds=10), accept=any_answer,
+                run_id="retried")
+
+
+def retrying_run(store_path, log):
+    """retried_run, named and saved, killed during its flaky read's fourth attempt."""
+    async def main():
+        with agent_loop.SqliteStore(store_path) as store:
+            await run_agent(store=store, **retried_run(log, crash=True))
+
+    asyncio.run(main())
+
+
 def job_worker(kind, where, ready):
     """A job worker on SQLite or PostgreSQL (kind) at where: it claims job 1, reports one step, writes ready and
     waits there (the parent kills or stops it) until ready.woken is written; then it tries its next step and its
@@ -10410,6 +10466,7 @@ def serial_jobs_run(kind, where, ready):
 
 CHILDREN = {"mcp_server": mcp_server, "crashing_run": crashing_run, "writing_run": writing_run,
             "pool_worker": pool_worker, "frozen_worker": frozen_worker, "catalog_run": catalog_run,
+            "retrying_run": retrying_run,
             "job_worker": job_worker, "job_run": job_run, "slow_run": slow_run, "cancel_run": cancel_run,
             "follow": follow, "job_pool_worker": job_pool_worker,
             "frozen_job_worker": frozen_job_worker, "serial_jobs_run": serial_jobs_run}  # what `python3 test_agent_loop.py child NAME ARGS` runs
