@@ -1021,6 +1021,7 @@ class Part:
       settle(None, record): a resumed run's last round, before it goes on: what a later part waits for, asked about;
       gate(None, record, calls): before the calls of a batch start: observations instead (none of them starts), or Stop;
       attempts(observe, calls): how each of those calls is tried: a function of the call that returns its observation;
+      retry(None, item): a read's retry is about to start, its "retry" event traced: its charge kept first, or Stop;
       before_call(call, item): the call as its tool gets it; a Stop: it neither starts nor counts;
       after_call(obs, item): the call's observation, as it stands;
       named({}): what the result and its stop event carry besides (a named run's run_id);
@@ -1755,19 +1756,24 @@ def _model(create, options, turns, replay, tools, decide):
     return model
 
 
-def _offered(tools, registry, catalog):
+def _offered(tools, registry, catalog, grants):
     """The tools of each request, a function of history: the registry's, as tools() declares them; with a catalog
-    (PART 13), its two tools and those this history loaded too, and nothing else the catalog holds."""
+    (PART 13), its two tools and those this history loaded whose permission the grants (run_agent's, read again at
+    each request) hold now, and nothing else the catalog holds."""
     offered = tools(registry)  # a registry that cannot be offered is a ValueError now, not at the first request
-    if catalog is None:
+    if catalog is None and grants is None:
         return lambda history: offered
     if not callable(getattr(catalog, "offered", None)):
-        raise ValueError("catalog must be a Catalog")
-    clash = [name for name in registry if name in catalog.offered([])]
+        raise ValueError("catalog must be a Catalog, given with its grants")
+    if grants is None:
+        raise ValueError("grants: a bridge given a catalog needs the run's grants too")
+    if not _plain_function(grants):
+        _grants(grants)
+    clash = [name for name in registry if name in catalog.offered([], frozenset())]
     if clash:
         raise ValueError(f"{clash[0]}: a name of the catalog's own tools, in the registry")
-    return lambda history: [*offered, *tools({name: spec for name, spec in catalog.offered(history).items()
-                                              if name not in registry})]
+    return lambda history: [*offered, *tools({name: spec for name, spec in catalog.offered(
+        history, _granted(grants)).items() if name not in registry})]
 
 
 def _task(task):
@@ -1825,10 +1831,10 @@ def responses_input(history):
     return items
 
 
-def responses_model(create, task, registry=TOOLS, catalog=None, **options):
+def responses_model(create, task, registry=TOOLS, catalog=None, grants=None, **options):
     """A model for run_agent that asks a Responses API create() for every decision; options go into every request."""
     return _model(create, options, ("input", _task(task)), responses_input,
-                  _offered(responses_tools, registry, catalog), from_responses)
+                  _offered(responses_tools, registry, catalog, grants), from_responses)
 
 
 # OpenAI Chat Completions (also what vLLM, llama.cpp, Ollama and others serve)
@@ -1870,10 +1876,10 @@ def chat_messages(history):
     return messages
 
 
-def chat_model(create, task, registry=TOOLS, catalog=None, **options):
+def chat_model(create, task, registry=TOOLS, catalog=None, grants=None, **options):
     """A model for run_agent that asks a Chat Completions create() for every decision; options go into every request."""
-    return _model(create, options, ("messages", _task(task)), chat_messages, _offered(chat_tools, registry, catalog),
-                  from_chat)
+    return _model(create, options, ("messages", _task(task)), chat_messages,
+                  _offered(chat_tools, registry, catalog, grants), from_chat)
 
 
 # Anthropic Messages
@@ -1928,13 +1934,13 @@ def messages_input(history):
     return messages
 
 
-def messages_model(create, task, registry=TOOLS, catalog=None, **options):
+def messages_model(create, task, registry=TOOLS, catalog=None, grants=None, **options):
     """A model for run_agent that asks a Messages API create() for every decision; options (max_tokens is required
     by the API) go into every request."""
     if "max_tokens" not in options:
         raise ValueError("messages_model needs max_tokens: the Messages API requires it")
     return _model(create, options, ("messages", _task(task)), messages_input,
-                  _offered(messages_tools, registry, catalog), from_messages)
+                  _offered(messages_tools, registry, catalog, grants), from_messages)
 
 
 # PART 9: tools from an MCP server, under the same preflight, budgets and time limits
@@ -2153,16 +2159,17 @@ class _Journal(Part):
     pool sets the run aside); then it claims the run, which fences any other holder, and loads and checks it again.
     It saves at each step that spends, in one transaction each: the decision paid (before the model is asked), the
     batch admitted (before its gate), each write's verdict (before any call of its batch starts), each write handed
-    to its tool (before the tool has it), each observation of a serial batch, the batch's observations, a refusal,
-    the end. A crash keeps what was saved, and the same call later resumes the run: used, history, the ledger and
-    the repeat counts as they were (a "resumed" event marks the join), its deadline counting from its first start
-    (less any time paused). A decision the crash cut stays paid: the model is asked anew. A batch it cut is charged
-    whole, each call once (the retries of a read since the batch was saved are not: their charge is lost with
-    them): each call without an observation is interrupted (retryable), unless it is a write saved as handed to its
-    tool: that one's outcome is unknown. A batch that waited for approvals goes to its gate again. A write whose
-    outcome is unknown is asked about again (the tools' reconcile, with its key, bounded by tool_seconds even past the
-    deadline); once every one is settled, the calls after it that never started run. A round whose observations say
-    the run stopped stops it again. Before each call starts, the claim is checked: a fenced process starts nothing.
+    to its tool (before the tool has it), each retry of a read (before it starts), each observation of a serial
+    batch, the batch's observations, a refusal, the end. A crash keeps what was saved, and the same call later
+    resumes the run: used, history, the ledger and the repeat counts as they were (a "resumed" event marks the
+    join), its deadline counting from its first start (less any time paused). A decision the crash cut stays paid:
+    the model is asked anew. A batch it cut is charged whole, each call once, and each retry its saved "retry"
+    events say was about to start: each call without an observation is interrupted (retryable), unless it is a write
+    saved as handed to its tool: that one's outcome is unknown. A batch that waited for approvals goes to its gate
+    again. A write whose outcome is unknown is asked about again (the tools' reconcile, with its key, bounded by
+    tool_seconds even past the deadline); once every one is settled, the calls after it that never started run. A
+    round whose observations say the run stopped stops it again. Before each call starts, the claim is checked: a
+    fenced process starts nothing.
     The config compared on resume holds the registry's names, costs, permissions, job flags and schemas, and the
     limits: a tool's validate and description are not compared (a function cannot be).
 
@@ -2235,6 +2242,7 @@ class _Journal(Part):
                          for name, spec in run.registry.items()}}))
         self.holding, self.renewal, self.lost, self.unresumable, self.generation = False, None, None, False, None
         self.given = set()  # the writes this process handed to their tool
+        self.saving = asyncio.Lock()  # the retries of a parallel batch keep their charges one save at a time
 
     async def _open(self, run):
         """Load, check, claim, load and check again: a ValueError gives back a lease claim_next or the claim took."""
@@ -2256,6 +2264,7 @@ class _Journal(Part):
             raise
         state = saved["state"] if saved else _NOTHING_SAVED
         self.saved, self.saved_records, self.events = saved, [], 0
+        self.kept = _copy(state["used"])  # used as last saved between calls: what a retry's save keeps as used
         self.writes, self.waits, self.asked_at = _copy(state["writes"]), state["waits"], state["asked_at"]
         # A run paused until now ends its pause here: the time paused is no time of the run's.
         since = state["paused_at"]
@@ -2339,9 +2348,10 @@ class _Journal(Part):
             return None
         self.waits = None
         cut = record["calls"][len(record["observations"]):]
-        if cut:  # admitted, then the crash: any call of the rest may have started
-            run.used["calls"] += len(cut)
-            run.used["credits"] += _cost(run.registry, cut)
+        if cut:  # admitted, then the crash: any call of the rest may have started, and each retry kept did
+            retried = _retried(run.trace, record, cut)
+            run.used["calls"] += len(cut) + len(retried)
+            run.used["credits"] += _cost(run.registry, cut) + _cost(run.registry, retried)
             record["observations"] += [self._interrupted(item) for item in cut]
             await run.emit({"event": "observations", "round": record["round"], "ids": _ids(record),
                             "parallel": _parallel(run.registry, record["calls"]), **run.used})
@@ -2353,6 +2363,13 @@ class _Journal(Part):
 
     async def spent(self, run, value):
         await self._save(run)
+        return value
+
+    async def retry(self, run, value, item):
+        """A read's retry about to start: its "retry" event saved first, with used as it stood between calls (the
+        attempts in flight are not in it), so that a resume charges the cut calls once each and this retry too."""
+        async with self.saving:
+            await self._save(run, used=self.kept)
         return value
 
     async def gate(self, run, observations, record, calls):
@@ -2462,20 +2479,23 @@ class _Journal(Part):
         return {"used": run.used, "paused": self.paused, "paused_at": self.paused_at, "asked_at": self.asked_at,
                 "waits": self.waits, "writes": self.writes}
 
-    async def _save(self, run, end=None):
+    async def _save(self, run, end=None, used=None):
         """Save what changed since the last save (the run's end too), in one transaction; else Stop("superseded") if
-        another process has claimed the run since, Stop("store_failed") if the store failed: nothing more is saved."""
+        another process has claimed the run since, Stop("store_failed") if the store failed: nothing more is saved.
+        used, if given, is saved in place of run.used (a retry's save: see retry)."""
         if self.lost is not None:
             raise self.lost
         # The records that changed since the last save: the new ones, and the last one saved if it gained observations.
         first = len(run.history) - len(self.saved_records) if self.saved_records else 0
         records = [record for record in run.history[max(first, 0):] if record not in self.saved_records]
+        state, events = {**self._state(run), "used": run.used if used is None else used}, len(run.trace)
         try:
-            await _off_the_loop(self.store, self.store.save, self.run_id, self.generation, _copy(self._state(run)),
-                                _copy(records), _copy(run.trace[self.events:]), end)
+            await _off_the_loop(self.store, self.store.save, self.run_id, self.generation, _copy(state),
+                                _copy(records), _copy(run.trace[self.events:events]), end)
         except Exception as error:  # Superseded, or the database's own error (a full disk, a lock held too long)
             raise self._refused(error) from None
-        self.saved_records, self.events = [_copy(record) for record in run.history[-1:]], len(run.trace)
+        self.saved_records, self.events = [_copy(record) for record in run.history[-1:]], events
+        self.kept = self.kept if used is not None else _copy(state["used"])
         self.holding = self.holding and end is None and self.paused_at is None  # an end or a pause lets it go
 
     def _refused(self, error):
@@ -2562,6 +2582,14 @@ class _Journal(Part):
             self.lost = _lost(error)
             return
         self._renew_later()
+
+
+def _retried(trace, record, cut):
+    """The calls of record's round among cut whose retry a saved "retry" event says was about to start, once per
+    retry (PART 12): each was charged before it started."""
+    cut = {item["call_id"]: item for item in cut}
+    return [cut[event["call_id"]] for event in trace if type(event) is dict and event.get("event") == "retry"
+            and event.get("round") == record["round"] and type(event.get("call_id")) is str and event["call_id"] in cut]
 
 
 def _unwrapped(tools):
@@ -2659,6 +2687,7 @@ def _a_saved_run(saved, registry, limits):
     if (last["round"] not in refused or cut) and any(item["name"] not in registry or type(item["arguments"]) is not
                                                      dict for item in last["calls"]):
         return False
+    cut += _retried(trace, last, cut)  # charged on resume too
     return used["calls"] + len(cut) <= limits.calls and used["credits"] + _cost(registry, cut) <= limits.credits
 
 
@@ -3740,9 +3769,10 @@ class Attempts(Part):
     still to come (each call once, and the retries decided before), and if its wait ends before the deadline; a
     cancel ends the wait. The model sees one observation per call, the first success or the last failure of an
     attempt that started, with "attempts" once more than one started; the trace has a "retry" event as each retry is
-    about to start, saying after what error. Limits.attempts counts the model's calls of a signature, never these.
-    A plain function's attempt that timed out runs on in its thread (FunctionTools): its retry starts a thread of its
-    own, so the cap bounds the attempts the run waits for, not the threads it gave up on."""
+    about to start, saying after what error (a named run saves it first: a resume charges that retry).
+    Limits.attempts counts the model's calls of a signature, never these. A plain function's attempt that timed out
+    runs on in its thread (FunctionTools): its retry starts a thread of its own, so the cap bounds the attempts the
+    run waits for, not the threads it gave up on."""
 
     @classmethod
     async def join(cls, run, given):
@@ -3767,8 +3797,15 @@ class Attempts(Part):
             while True:
                 async with slots:
                     if last is not None:  # a retry: the trace says when it is about to start, and after what
-                        await run.emit({"event": "retry", "round": run.history[-1]["round"], "call_id": item["call_id"],
-                                        "attempt": attempt_number, "after": last["error"], **run.used})
+                        event = {"event": "retry", "round": run.history[-1]["round"], "call_id": item["call_id"],
+                                 "attempt": attempt_number, "after": last["error"], **run.used}
+                        run.trace.append(event)
+                        try:
+                            await run.seam("retry", None, item)  # a named run keeps its charge before it starts
+                        except Stop:  # the store refused it (fenced, failed, a cancel): the run stops at its next save
+                            del run.trace[next(i for i, kept in enumerate(run.trace) if kept is event)]
+                            return last
+                        await _watch(run, event)
                     obs, began = await attempt(item)
                 if last is not None and not began:  # overtaken by a stop: the last failure is the observation
                     return last
@@ -3828,6 +3865,12 @@ def _grants(grants):
     if type(grants) not in (set, frozenset) or not all(type(grant) is str for grant in grants):
         raise ValueError("grants must be a set of permission names")
     return frozenset(grants)
+
+
+def _granted(grants):
+    """The grants as they stand: the set given, or what the function returns now (nothing, if it fails)."""
+    said = _plain_call(grants) if callable(grants) else grants
+    return frozenset(said) if type(said) in (set, frozenset) and all(type(g) is str for g in said) else frozenset()
 
 
 class Catalog:
@@ -3931,11 +3974,14 @@ class Catalog:
             return "denied"
         return None if digest == entry.digest else "stale_definition"
 
-    def offered(self, history):
+    def offered(self, history, grants):
         """The tools a request offers a model in a run with this history, beyond its registry: the catalog's two and
-        each one its history loaded, as loaded (a model is told what it loaded, and the gate says if it may run)."""
-        offered = dict(_CATALOG_SPECS)
+        each one its history loaded whose permission these grants hold now, as loaded (the gate says if it may run).
+        A tool whose grant went is offered no more; what the model was shown before stays in its history."""
+        offered, grants = dict(_CATALOG_SPECS), _grants(grants)
         for name, definition in _loaded(history).items():
+            if name not in self.entries or self.entries[name].permission not in grants:
+                continue  # hidden now (or gone): never named in a request
             with contextlib.suppress(ValueError, KeyError):  # a definition a hand-edited store spoilt is not offered
                 spec = ToolSpec(1, definition["effect"] == "read", False, description=definition["description"],
                                 parameters=definition["parameters"])
@@ -4044,14 +4090,14 @@ class _CatalogRun(Part):
             writes(tools, sorted(name for name, spec in entries.items() if not spec.read_only))
         part = cls()
         part.catalog, part.grants, part.base, part.loaded, part.offered = catalog, grants, dict(run.registry), {}, False
+        part.functions = tools  # what runs a loaded tool, asked again of each entry a load names (_CatalogRun.runs)
         part.now = part._granted()
         run.registry.update(_CATALOG_SPECS)
         return part
 
     def _granted(self):
         """The grants as they stand: the set given, or what the function returns now (nothing, if it fails)."""
-        said = _plain_call(self.grants) if callable(self.grants) else self.grants
-        return frozenset(said) if type(said) in (set, frozenset) and all(type(g) is str for g in said) else frozenset()
+        return _granted(self.grants)
 
     async def resume(self, run, ended):
         run.tools = _innermost(run.tools, partial(_CatalogTools, self))  # its two tools are the catalog's
@@ -4074,10 +4120,32 @@ class _CatalogRun(Part):
         run.authorize = self.authorize
         return value
 
+    def runs(self, name):
+        """False for an entry this run cannot run as the catalog's tool: a name of its own registry, or one its tools
+        have no function for (an entry added since the run began, which join never checked); a load answers it as
+        unknown_tool, the bytes of an absent name's. True for any other name, the catalog's to answer."""
+        entry = self.catalog.entries.get(name) if type(name) is str else None
+        if entry is None:
+            return True
+        if name in self.base:
+            return False
+        check = getattr(type(self.functions), "check_registry", None)
+        writes = getattr(type(self.functions), "check_writes", None)
+        try:
+            if check is not None:
+                check(self.functions, {name: entry.spec})
+            if writes is not None and not entry.spec.read_only:
+                writes(self.functions, [name])
+        except Exception:  # whatever the check raised: the entry cannot run here
+            return False
+        return True
+
     def authorize(self, name):
         """(status, reason) for a loaded tool that may not run now; None for any other tool, and one that may."""
         if name in self.base or name not in self.loaded:
             return None
+        if not self.runs(name):  # never something other than what was loaded
+            return _GATE["unknown_tool"]
         said = self.catalog.authorize(name, self.loaded[name]["digest"], self.now)
         return None if said is None else _GATE[said]
 
@@ -4137,6 +4205,11 @@ class _CatalogTools:
         if call["name"] == "search_tools":
             return {"candidates": catalog.search(args["query"], grants)}
         if call["name"] == "load_tools":
+            for name in args["names"]:  # in order, as the load looks: the first name it cannot load is the answer
+                if name not in catalog.entries or catalog.entries[name].permission not in grants:
+                    break  # absent or hidden: the load says so
+                if not self.part.runs(name):
+                    return {"error": "unknown_tool", "name": name}  # as an absent name's, the same bytes
             return catalog.load(args["names"], grants, catalog.budget_bytes)
         return await self.tools.invoke(call)
 
@@ -5809,6 +5882,16 @@ def _sent(value):
     return len(_utf8_json(value))
 
 
+async def _after_the_load(make, key, catalog, grants, history, **options):
+    """The catalog's part of the request a bridge sends after the load, as it sends it: its tools (the catalog's, the
+    registry being empty) and its replayed turns (the opening task's left out)."""
+    requests = []
+    model = make(lambda **request: requests.append(request) or {}, "t", registry={}, catalog=catalog, grants=grants,
+                 **options)
+    await model(history)  # its reply, nothing, is no decision: only the request is wanted
+    return _sent(requests[0]["tools"]) + _sent(requests[0][key][len(_task("t")):])
+
+
 async def catalog_numbers():
     """Print the chapter's numbers: what is registered, discoverable and loaded; the bytes each bridge sends for
     them beside the full path; then the five boundaries, each its own outcome."""
@@ -5835,7 +5918,9 @@ async def catalog_numbers():
     for (title, _), row in zip(rows, figures):
         print(f"  {title:<58}" + "".join(f"{figure:>10,}" for figure in row))
     title = "one request after the load, the catalog's part in all"
-    print(f"  {title:<58}" + "".join(f"{sum(column):>10,}" for column in zip(*figures)))
+    sent = (responses_model, "input", {}), (chat_model, "messages", {}), (messages_model, "messages", {"max_tokens": 1})
+    print(f"  {title:<58}" + "".join(f"{figure:>10,}" for figure in [await _after_the_load(
+        make, key, catalog, grants, result["history"][:2], **options) for make, key, options in sent]))
     print(f"  {f'the full path: all {len(full)} discoverable, every request':<58}"
           + "".join(f"{_sent(tools(full)):>10,}" for _, tools, _ in bridges))
     print("\nthe boundaries, each its own outcome:")

@@ -7500,6 +7500,20 @@ class AttemptTests(RuntimeTestCase):
         self.assertEqual((result["status"], obs["error"], "attempts" in obs, result["used"]["calls"], len(started)),
                          ("cancelled", "temporary", False, 1, 1))
 
+    async def test_the_retries_a_crash_cut_are_charged_on_resume_and_no_tool_starts_past_limits_calls(self):
+        with tempfile.TemporaryDirectory() as folder:
+            path, log = os.path.join(folder, "runs.db"), os.path.join(folder, "started")
+            run_in_a_process("retrying_run", path, log, kill_when=log + ".ready")  # in its flaky read's 4th attempt
+            self.assertEqual(sorted(open(log).read().split()), ["flaky"] * 4 + ["plain"])
+            with agent_loop.SqliteStore(path) as store:
+                result = await run_agent(store=store, **retried_run(log))
+            started = open(log).read().split()
+        self.assertEqual((result["status"], len(started), started[5:]), ("call_limit", 6, ["plain"]))
+        self.assertEqual(result["used"]["calls"], len(started))  # each attempt that started, charged once
+        self.assertEqual(result["used"], {"rounds": 3, "calls": 6, "credits": 3 * 3 + 6})  # a credit each
+        retries = [event["attempt"] for event in result["trace"] if event["event"] == "retry"]
+        self.assertEqual((retries, errors(result)[:2]), ([2, 3, 4], ["interrupted", "interrupted"]))
+
     async def test_a_bad_retries_or_backoff_is_refused_before_a_named_run_is_claimed(self):
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "runs.db")
@@ -7783,7 +7797,7 @@ class CatalogTests(RuntimeTestCase):
                                   reply_calls(("r2", "load_tools", {"names": ["refunds_create"]})),
                                   reply_calls(("r3", "refunds_create", {"order_id": "A"})),
                                   reply_text("done"))
-                model = make_model(create, "refund order A", {}, catalog=catalog, **options)
+                model = make_model(create, "refund order A", {}, catalog=catalog, grants=grants, **options)
                 result = await run_agent(model, registry={}, catalog=catalog, grants=grants, accept=any_answer,
                                          fixtures=agent_loop.FunctionTools(functions), limits=ROOMY,
                                          on_refused="observe")
@@ -7808,7 +7822,7 @@ class CatalogTests(RuntimeTestCase):
                 create = Recorder(reply_calls(("r1", "search_tools", {"query": "查询 订单 状态"})),
                                   reply_calls(("r2", "load_tools", {"names": ["orders_get", "shipments_get"]})),
                                   reply_calls(("r3", "orders_get", {"order_id": "A"})), reply_text("done"))
-                model = make_model(create, "was order A paid?", lookup, catalog=catalog, **options)
+                model = make_model(create, "was order A paid?", lookup, catalog=catalog, grants=grants, **options)
                 result = await run_agent(model, registry=lookup, catalog=catalog, grants=grants, accept=any_answer,
                                          fixtures=agent_loop.FunctionTools({**functions, "lookup": dict}),
                                          limits=ROOMY)
@@ -7816,7 +7830,46 @@ class CatalogTests(RuntimeTestCase):
                 offered = offered_names(create)
                 self.assertEqual(offered, [["load_tools", "lookup", "search_tools"]] * 2 + [
                     ["load_tools", "lookup", "orders_get", "search_tools", "shipments_get"]] * 2)
-                self.assertTrue(all("catalog" not in request for request in create.requests))
+                self.assertTrue(all("catalog" not in request and "grants" not in request for request in create.requests))
+
+    async def test_a_tool_whose_grant_was_revoked_is_offered_in_no_request_a_bridge_sends_after(self):
+        catalog, grants, functions = agent_loop.order_catalog()
+        for name, (make_model, options, reply_calls, reply_text) in BRIDGES.items():
+            with self.subTest(bridge=name):
+                granted = set(grants)
+                create = Recorder(reply_calls(("r1", "load_tools", {"names": ["orders_get"]})),
+                                  reply_calls(("r2", "search_tools", {"query": "订单"})), reply_text("done"))
+
+                def revoking(**request):  # the grant goes as the model decides its second round
+                    if create.requests:
+                        granted.discard("orders:read")
+                    return create(**request)
+
+                model = make_model(revoking, "t", {}, catalog=catalog, grants=lambda: granted, **options)
+                result = await run_agent(model, registry={}, catalog=catalog, grants=lambda: granted,
+                                         accept=any_answer, fixtures=agent_loop.FunctionTools(functions), limits=ROOMY)
+                self.assertEqual(result["status"], "completed")
+                self.assertEqual(observations(result)[1]["data"], {"candidates": []})  # hidden now to a search
+                self.assertEqual(offered_names(create), [["load_tools", "search_tools"],
+                                                         ["load_tools", "orders_get", "search_tools"],
+                                                         ["load_tools", "search_tools"]])
+                tools = json.dumps(create.requests[2]["tools"], ensure_ascii=False)
+                self.assertNotIn("orders_get", tools)  # nor its description or its schema
+                self.assertNotIn("Get one order", tools)
+                self.assertNotIn("^[A-Z][0-9]{0,8}$", tools)
+                replayed = create.requests[2][("messages", "input")[name == "responses"]]
+                self.assertIn("Get one order", json.dumps(replayed, ensure_ascii=False))  # its history keeps it
+
+    def test_a_bridge_given_a_catalog_needs_the_runs_grants(self):
+        catalog, grants, _ = agent_loop.order_catalog()
+        for name, (make_model, options, _, _) in BRIDGES.items():
+            with self.subTest(bridge=name):
+                for given, message in ((dict(catalog=catalog), "grants: a bridge given a catalog needs the run's grants too"),
+                                       (dict(grants=grants), "catalog must be a Catalog, given with its grants"),
+                                       (dict(catalog=catalog, grants=["orders:read"]), "grants must be a set of permission names")):
+                    with self.assertRaises(ValueError) as refused:
+                        make_model(Recorder(), "t", {}, **given, **options)
+                    self.assertEqual(str(refused.exception), message)
 
     async def test_a_write_paused_for_approval_meets_the_gate_again_when_it_is_approved(self):
         for change in ("revoked", "raised"):
@@ -7959,34 +8012,65 @@ class CatalogTests(RuntimeTestCase):
         catalog.load(["refunds_create"], {"refunds:write"})  # given out to an identity that may use it
         self.assertEqual(catalog.authorize("refunds_create", hidden, ORDER_GRANTS), "denied")
 
+    async def test_an_entry_added_mid_run_with_no_function_is_an_unknown_tool_to_a_load_never_a_tool_exception(self):
+        catalog, _, functions = agent_loop.order_catalog()
+
+        async def model(history):
+            if not history:  # added once the run has begun: the checks made as the catalog joined never saw it
+                catalog.add("late_get", ToolSpec(5, True, True, parameters=ORDER, description="Added late."),
+                            ("late",), "orders:read")
+            return [calls(call("l1", "load_tools", names=["late_get"]),
+                          call("l2", "load_tools", names=["orders_get", "late_get"]),
+                          call("l3", "load_tools", names=["absent_get"])),
+                    calls(call("o", "late_get", order_id="A")), final("done")][len(history)]
+
+        result = await run_agent(model, registry={}, catalog=catalog, grants=ORDER_GRANTS, accept=any_answer,
+                                 fixtures=agent_loop.FunctionTools(functions), limits=ROOMY, on_refused="observe")
+        self.assertEqual((result["status"], errors(result)), ("completed", ["unknown_tool"] * 4))
+        refusals = [{key: value for key, value in obs.items() if key not in ("call_id", "arguments")}
+                    for obs in observations(result)[:3]]
+        self.assertEqual(refusals, [refusals[2]] * 3)  # as a name the catalog never had, byte for byte
+        self.assertEqual(result["used"]["credits"], 3 * 3 + 3)  # three loads; the call never ran
+
     async def test_a_name_of_the_registry_stays_the_registrys_in_a_run_and_in_a_request(self):
         catalog, grants, functions = agent_loop.order_catalog()
         lookup = {"lookup": ToolSpec(1, True, True, parameters=ORDER, description="The registry's own.")}
         for name, (make_model, options, reply_calls, reply_text) in BRIDGES.items():
             with self.subTest(bridge=name):
                 with self.assertRaises(ValueError) as refused:
-                    make_model(Recorder(), "t", {**lookup, "load_tools": lookup["lookup"]}, catalog=catalog, **options)
+                    make_model(Recorder(), "t", {**lookup, "load_tools": lookup["lookup"]}, catalog=catalog,
+                               grants=grants, **options)
                 self.assertEqual(str(refused.exception), "load_tools: a name of the catalog's own tools, in the registry")
                 added = agent_loop.Catalog()
                 added.add("orders_get", catalog.entries["orders_get"].spec, ("order",), "orders:read")
-                create = Recorder(reply_calls(("r1", "load_tools", {"names": ["orders_get", "lookup"]})),
-                                  reply_calls(("r2", "lookup", {"order_id": "A"})), reply_text("done"))
-                model = make_model(create, "t", lookup, catalog=added, **options)
+                create = Recorder(reply_calls(("r1", "load_tools", {"names": ["lookup"]})),
+                                  reply_calls(("r2", "load_tools", {"names": ["orders_get", "lookup"]})),
+                                  reply_calls(("r3", "load_tools", {"names": ["nope"]})),
+                                  reply_calls(("r4", "load_tools", {"names": ["orders_get"]})),
+                                  reply_calls(("r5", "lookup", {"order_id": "A"})), reply_text("done"))
                 asked = []
 
-                def grant():  # the catalog gains a tool of the registry's name, granted for the load, then no more
-                    if "lookup" not in added.entries:
-                        added.add("lookup", ToolSpec(1, True, True, parameters=ORDER, description="The catalog's."),
+                def grant():  # the catalog gains a tool of the registry's name once the run has begun: no join saw it
+                    if asked and "lookup" not in added.entries:
+                        added.add("lookup", ToolSpec(5, True, True, parameters=ORDER, description="The catalog's."),
                                   ("order",), "lookup:read")
                     asked.append(True)
-                    return ORDER_GRANTS | ({"lookup:read"} if len(asked) <= 2 else set())
+                    return ORDER_GRANTS | {"lookup:read"}
 
+                model = make_model(create, "t", lookup, catalog=added, grants=grant, **options)
                 result = await run_agent(model, registry=lookup, catalog=added, grants=grant, accept=any_answer,
                                          fixtures=agent_loop.FunctionTools({**functions, "lookup": dict}),
                                          limits=ROOMY)
                 self.assertEqual(result["status"], "completed")
+                said = observations(result)
+                refusals = [{key: value for key, value in obs.items() if key not in ("call_id", "arguments")}
+                            for obs in said[:3]]
+                self.assertEqual(refusals, [refusals[2]] * 3)  # as a name the catalog never had, byte for byte
+                self.assertEqual([told["name"] for told in said[3]["data"]["tools"]], ["orders_get"])
+                self.assertEqual((said[4]["data"], result["used"]["credits"]), ({"order_id": "A"}, 6 * 3 + 4 + 1))
                 offered = offered_names(create)
                 self.assertEqual(offered[-1], ["load_tools", "lookup", "orders_get", "search_tools"])
+                self.assertNotIn("The catalog's.", json.dumps(create.requests, ensure_ascii=False))
 
     async def test_a_paused_batch_refused_at_the_gate_on_its_resume_is_observed_when_refusals_are(self):
         catalog, grants, functions = agent_loop.order_catalog()
@@ -9412,6 +9496,21 @@ class ExecutorTests(RuntimeTestCase):
 
 # PART 20: the large tool set chapter's numbers
 
+def sent_after_the_load():
+    """The catalog's part (tools, replayed turns) of the request each bridge sends once the chapter's run loaded."""
+    catalog, grants, functions = agent_loop.order_catalog()
+    result = asyncio.run(run_agent(agent_loop._catalog_model(), registry={}, accept=agent_loop._catalog_accepted,
+                                   catalog=catalog, grants=grants, fixtures=agent_loop.FunctionTools(functions)))
+    figures = []
+    for name, key in (("responses", "input"), ("chat", "messages"), ("messages", "messages")):
+        make_model, options, _, _ = BRIDGES[name]
+        create = Recorder({})
+        asyncio.run(make_model(create, "t", {}, catalog=catalog, grants=grants, **options)(result["history"][:2]))
+        (request,) = create.requests
+        figures.append(len(utf8_json(request["tools"])) + len(utf8_json(request[key][1:])))
+    return figures
+
+
 class CatalogNumbersTests(unittest.TestCase):
     """PART 20: the chapter's 300 entries, what is found, loaded and sent, and the five boundaries, one command."""
 
@@ -9425,7 +9524,7 @@ class CatalogNumbersTests(unittest.TestCase):
                  for line in lines[4:10]}
         on_demand = table["one request after the load, the catalog's part in all"]
         full = table["the full path: all 299 discoverable, every request"]
-        self.assertEqual(on_demand, [sum(column) for column in zip(*list(table.values())[:4])])
+        self.assertEqual(on_demand, sent_after_the_load())
         self.assertTrue(all(part * 10 < whole for part, whole in zip(on_demand, full)))  # a tenth, and less
         self.assertEqual(lines[-5:], [
             '  no match        search "火星 着陆": []',
@@ -10384,6 +10483,48 @@ def catalog_run(store_path, ready, where):
     asyncio.run(main())
 
 
+def retried_run(log, crash=False):
+    """A named run's options: its first batch a flaky read with three retries beside a plain read, then a plain read
+    a round until Limits.calls stops it; each start of a tool a line of log. Given crash, the flaky read's fourth
+    attempt, once the plain read has started, writes log + ".ready" and hangs: the parent kills the child there."""
+    key = {"type": "object", "properties": {"k": {"type": "string"}}, "required": ["k"], "additionalProperties": False}
+
+    async def flaky(k):
+        with open(log, "a") as file:
+            file.write("flaky\n")
+        if crash and open(log).read().count("flaky") == 4:
+            while "plain" not in open(log).read():
+                await asyncio.sleep(0.01)
+            open(log + ".ready", "w").close()
+            await asyncio.sleep(600)
+        raise TemporaryError("busy")
+
+    def plain(k):
+        with open(log, "a") as file:
+            file.write("plain\n")
+        return {"k": k}
+
+    async def model(history):
+        if not history:
+            return calls(call("f", "flaky", k="a"), call("p1", "plain", k="b"))
+        return calls(call(f"p{len(history) + 1}", "plain", k=str(len(history))))
+
+    registry = {"flaky": ToolSpec(1, True, True, parameters=key, retries=3, backoff=(0.001, 0.001)),
+                "plain": ToolSpec(1, True, True, parameters=key)}
+    return dict(model=model, registry=registry, fixtures=agent_loop.FunctionTools({"flaky": flaky, "plain": plain}),
+                limits=dataclasses.replace(SLOW_ROOMY, calls=6, credits=100, rounds=10), accept=any_answer,
+                run_id="retried")
+
+
+def retrying_run(store_path, log):
+    """retried_run, named and saved, killed during its flaky read's fourth attempt."""
+    async def main():
+        with agent_loop.SqliteStore(store_path) as store:
+            await run_agent(store=store, **retried_run(log, crash=True))
+
+    asyncio.run(main())
+
+
 def job_worker(kind, where, ready):
     """A job worker on SQLite or PostgreSQL (kind) at where: it claims job 1, reports one step, writes ready and
     waits there (the parent kills or stops it) until ready.woken is written; then it tries its next step and its
@@ -10546,6 +10687,7 @@ def serial_jobs_run(kind, where, ready):
 
 CHILDREN = {"mcp_server": mcp_server, "crashing_run": crashing_run, "writing_run": writing_run,
             "pool_worker": pool_worker, "frozen_worker": frozen_worker, "catalog_run": catalog_run,
+            "retrying_run": retrying_run,
             "job_worker": job_worker, "job_run": job_run, "slow_run": slow_run, "cancel_run": cancel_run,
             "follow": follow, "job_pool_worker": job_pool_worker,
             "frozen_job_worker": frozen_job_worker, "serial_jobs_run": serial_jobs_run}  # what `python3 test_agent_loop.py child NAME ARGS` runs
