@@ -3169,9 +3169,10 @@ class SqlStore(Store):
     def cancel_run(self, run_id, by="cancel_run"):
         """Cancel a run from anywhere, and ask each of its unfinished jobs to cancel. One that no live lease holds
         (added, crashed past its lease, paused, set aside) ends cancelled now, its stop event saying `by` whom (the
-        calls a crash cut observed interrupted); one a worker holds, or with a write that may have applied (cut once
-        handed to its tool, or awaiting its outcome), stops cancelled at its next save (once that write is settled),
-        or before its next call starts, saying who asked first. Its status after: cancelled, "cancel_requested", that
+        calls a crash cut observed interrupted and charged, each retry saved too); one a worker holds, or with a write
+        that may have applied (cut once handed to its tool, or awaiting its outcome), or with a cut call whose cost
+        only the catalog knows, stops cancelled at its next save (once its resume settled and charged the cut
+        calls), or before its next call starts, saying who asked first. Its status after: cancelled, "cancel_requested", that
         of a run that had ended (left as it was), or None for none of that id."""
         _checked_run_id(run_id)
         if not _a_name(by):
@@ -3189,18 +3190,21 @@ class SqlStore(Store):
             state = json.loads(row[1]) if row[1] else _NOTHING_SAVED
             cut = [] if record is None else record["calls"][len(record["observations"]):]
             crashed = bool(cut) and row[2] != "approval"  # a crash cut the batch: any call of it may have started
-            unknown = crashed and any(state.get("writes", {}).get(item["call_id"], {}).get("started") for item in cut)
-            # A worker holds it, or a write may have applied (a crash cut it once handed to its tool, or it waits for
-            # its outcome): the cancel is asked (the first asker kept), and the run ends cancelled at its next save,
-            # once its resume settled that write.
+            costs = json.loads(row[3])["registry"] if row[3] else {}  # each tool's cost, as its config saved it
+            unknown = crashed and any(state.get("writes", {}).get(item["call_id"], {}).get("started") or
+                                      item["name"] not in costs for item in cut)
+            # A worker holds it, a write may have applied (a crash cut it once handed to its tool, or it waits for its
+            # outcome), or a cut call's cost is the catalog's, unknown here: the cancel is asked (the first asker
+            # kept), and the run ends cancelled at its next save, once its resume settled and charged what it must.
             if holder is not None and until is not None and until > now or row[2] == "outcome" or unknown:
                 self._sql("UPDATE agent_loop_runs SET cancel = COALESCE(cancel, ?) WHERE run_id = ?", (by, run_id))
                 return "cancel_requested"
-            if crashed:  # charged as its resume would, each call once, at the cost its config saved (a tool it loaded
-                costs = json.loads(row[3])["registry"] if row[3] else {}  # from a catalog: 0, unknown to the store)
-                used = state["used"]
-                state = {**state, "used": {**used, "calls": used["calls"] + len(cut), "credits": used["credits"] + sum(
-                    costs.get(item["name"], [0])[0] for item in cut)}}
+            if crashed:  # charged as its resume would: each call once and each retry saved, at its saved cost
+                trace = [json.loads(body) for body, in self._sql("SELECT body FROM agent_loop_events WHERE run_id "
+                                                                 "= ? ORDER BY seq", (run_id,)).fetchall()]
+                charged, used = cut + _retried(trace, record, cut), state["used"]
+                state = {**state, "used": {**used, "calls": used["calls"] + len(charged), "credits": used["credits"] +
+                                           sum(costs[item["name"]][0] for item in charged)}}
             if cut:  # a crash cut it, or it waited for approvals: then none of it started
                 record["observations"] += [{**item, "ok": False, "error": "interrupted" if crashed else "cancelled",
                                             "retryable": crashed} for item in cut]

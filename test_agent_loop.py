@@ -7514,6 +7514,17 @@ class AttemptTests(RuntimeTestCase):
         retries = [event["attempt"] for event in result["trace"] if event["event"] == "retry"]
         self.assertEqual((retries, errors(result)[:2]), ([2, 3, 4], ["interrupted", "interrupted"]))
 
+    async def test_a_cancel_of_a_run_a_crash_cut_in_its_retries_charges_them_as_its_resume_would(self):
+        with tempfile.TemporaryDirectory() as folder:
+            path, log = os.path.join(folder, "runs.db"), os.path.join(folder, "started")
+            run_in_a_process("retrying_run", path, log, kill_when=log + ".ready")  # in its flaky read's 4th attempt
+            with agent_loop.SqliteStore(path, clock=lambda: time.time() + 60) as store:  # the crashed lease ran out
+                self.assertEqual(store.cancel_run("retried", by="ops"), "cancelled")
+                result = await run_agent(store=store, **retried_run(log))
+            started = open(log).read().split()
+        self.assertEqual((result["status"], result["used"]["calls"], len(started)), ("cancelled", 5, 5))
+        self.assertEqual(result["used"]["credits"], result["used"]["rounds"] * 3 + 5)  # a credit a call, as resumed
+
     async def test_a_bad_retries_or_backoff_is_refused_before_a_named_run_is_claimed(self):
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "runs.db")
@@ -7935,6 +7946,19 @@ class CatalogTests(RuntimeTestCase):
         interrupted = [event for event in result["trace"] if event["event"] == "observations"][2]
         self.assertEqual(interrupted["credits"], 12)  # 3 + 1, 3 + 1, 3 + the cut call at version 1's cost: 1, not 3
         self.assertEqual(result["status"], "stale_definition")  # and its next call, of version 1, is stale
+
+    async def test_a_cancel_of_a_run_a_crash_cut_in_a_loaded_tool_waits_for_its_resume_to_charge_it(self):
+        with tempfile.TemporaryDirectory() as folder:
+            path, ready = os.path.join(folder, "runs.db"), os.path.join(folder, "ready")
+            run_in_a_process("catalog_run", path, ready, "call", kill_when=ready)
+            catalog, grants, functions = agent_loop.order_catalog()
+            with agent_loop.SqliteStore(path, clock=lambda: time.time() + 60) as store:  # its lease ran out
+                asked = store.cancel_run("chat", by="ops")  # the cut call's cost is the catalog's: not the store's
+                result = await run_agent(agent_loop._catalog_model(), registry={}, catalog=catalog, grants=grants,
+                                         accept=agent_loop._catalog_accepted, store=store, run_id="chat",
+                                         fixtures=agent_loop.FunctionTools(functions), limits=SLOW_ROOMY)
+        self.assertEqual((asked, result["status"], result["trace"][-1]["by"]), ("cancel_requested", "cancelled", "ops"))
+        self.assertEqual(result["used"]["credits"], 12)  # 3 + 1, 3 + 1, 3 + the cut call at its loaded cost, 1
 
     async def test_a_load_a_store_edited_by_hand_forged_loads_nothing_and_raises_nothing(self):
         catalog, grants, functions = agent_loop.order_catalog()
