@@ -1014,8 +1014,7 @@ class Part:
     A seam is a method named for the step of the article it serves; it gets the run and a value, and returns what
     becomes of the value:
       resume(None): before the first round: a saved run put back; the stored result, if it has ended;
-      spent(None): a step that spends was taken: a decision paid, a batch admitted, a call or a batch observed, a
-        refused batch recorded;
+      spent(None): a step that spends was taken: a decision paid, a batch admitted, a call or batch observed, a refusal;
       offer(None): before a decision is read: the tools its batch may call (run.registry), and run.authorize;
       tools(registry, history): the tools a run with this history may call (the registry, and a catalog's loaded);
       settle(None, record): a resumed run's last round, before it goes on: what a later part waits for, asked about;
@@ -2865,15 +2864,16 @@ class SqlStore(Store):
     waiting for you, if it was saved with another registry or other limits, or is not a run it saved). A run claimed
     by name instead is taken over, its holder fenced.
 
-    A worker that freezes (SIGSTOP, a debugger, a swapped-out machine) may freeze inside a transaction. On
-    PostgreSQL no statement waits on another's row for long (_LOCK_WAIT): a claim finds the run's locker, and once
-    no live lease holds the run (its lease ran out, or it has none) and the locker's transaction has lasted
-    _STALLED, ends its session (the store's role may signal its own sessions): a frozen holder holds its run about
-    one lease, a frozen claimer about _STALLED, then it is fenced, and its next statement fails when it wakes. A
-    claim by name waits between its tries off the store's thread, which serves the store's other runs meanwhile. SQLite has one lock for the whole database, which no live process can take from
-    another: a worker frozen inside a transaction holds every writer until it wakes or dies. Meanwhile claim_next()
-    says None and a save waits out the connection's busy timeout, then stops its run store_failed. Durability is the
-    database's: SQLite's here (the write-ahead log, synchronous=FULL), PostgreSQL's own (synchronous_commit)."""
+    A worker that freezes (SIGSTOP, a debugger, a swapped-out machine) may freeze inside a transaction. On PostgreSQL no
+    statement waits on another's row for long (_LOCK_WAIT): a claim finds the run's locker, and once no live lease holds
+    the run (its lease ran out, or it has none) and the locker's transaction has lasted _STALLED, ends its session (the
+    store's role may signal its own sessions): a frozen holder holds its run about one lease, a frozen claimer about
+    _STALLED, then it is fenced, and its next statement fails when it wakes. A claim by name waits between its tries off
+    the store's thread, which serves the store's other runs meanwhile. SQLite has one lock for the whole database, which
+    no live process can take from another: a worker frozen inside a transaction holds every writer until it wakes or
+    dies. Meanwhile claim_next() says None and a save waits out the connection's busy timeout, then stops its run
+    store_failed. Durability is the database's: SQLite's here (the write-ahead log, synchronous=FULL), PostgreSQL's own
+    (synchronous_commit)."""
 
     def __init__(self, connection, lease_seconds=30.0, clock=time.time, max_jobs=None, max_claims=3):
         if type(lease_seconds) not in (int, float) or not 0.1 <= lease_seconds <= 86_400:
@@ -3170,10 +3170,10 @@ class SqlStore(Store):
         """Cancel a run from anywhere, and ask each of its unfinished jobs to cancel. One that no live lease holds
         (added, crashed past its lease, paused, set aside) ends cancelled now, its stop event saying `by` whom (the
         calls a crash cut observed interrupted and charged, each retry saved too); one a worker holds, or with a write
-        that may have applied (cut once handed to its tool, or awaiting its outcome), or with a cut call whose cost
-        only the catalog knows, stops cancelled at its next save (once its resume settled and charged the cut
-        calls), or before its next call starts, saying who asked first. Its status after: cancelled, "cancel_requested", that
-        of a run that had ended (left as it was), or None for none of that id."""
+        that may have applied (cut once handed to its tool, or awaiting its outcome), or with a cut call whose cost only
+        the catalog knows, stops cancelled at its next save (once its resume settled and charged the cut calls), or
+        before its next call starts, saying who asked first. Its status after: cancelled, "cancel_requested", that of a
+        run that had ended (left as it was), or None for none of that id."""
         _checked_run_id(run_id)
         if not _a_name(by):
             raise ValueError("by must be a string of 1 to 80 printable characters")
