@@ -2105,12 +2105,7 @@ class _StoreThread:
 
     def _serve(self):
         while (call := self.calls.get()) is not None:
-            future, function, args = call
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(function(*args))
-                except BaseException as error:  # in this thread even ^C is only this call's: a fault, by its class
-                    future.set_exception(error if isinstance(error, Exception) else _Fault(type(error)))
+            _fulfil(*call)
 
     def stop(self):
         if not self.stopped:
@@ -2118,12 +2113,25 @@ class _StoreThread:
             self.calls.put(None)
 
 
+def _fulfil(future, function, args):
+    """The future's result: function(*args), or what it raised (in a thread of the store's, even ^C is only this
+    call's: a fault, by its class)."""
+    if future.set_running_or_notify_cancel():
+        try:
+            future.set_result(function(*args))
+        except BaseException as error:
+            future.set_exception(error if isinstance(error, Exception) else _Fault(type(error)))
+
+
 async def _off_the_loop(store, method, *args):
     """method(*args), run on the store's own thread: the loop goes on while the database works, and a slow or locked
-    statement delays only the run that made it. A method marked _waits_off_its_thread runs in a thread of asyncio's
-    instead: it puts each statement on the store's thread itself, and waits between them without holding it."""
+    statement delays only the run that made it. A method marked _waits_off_its_thread runs in a thread of its own
+    instead (never asyncio's shared pool, which tools' work may fill): it puts each statement on the store's thread
+    itself, and waits between them without holding it."""
     if getattr(method, "waits_off_its_thread", False):
-        return await asyncio.to_thread(method, *args)
+        future = concurrent.futures.Future()
+        threading.Thread(target=_fulfil, args=(future, method, args), name="agent_loop wait", daemon=True).start()
+        return await asyncio.wrap_future(future)
     return await asyncio.wrap_future(store._thread.submit(method, *args))
 
 
@@ -2583,6 +2591,28 @@ class _Journal(Part):
         self._renew_later()
 
 
+def _cancellable(record, state, config):
+    """A saved run's last round (an empty one if it has none), its state and its tools' costs (name: cost), read
+    from their stored text for cancel_run; (None, None, None) for what a store does not write (a hand-edited one)."""
+    try:
+        record = json.loads(record) if record else {"round": 0, "calls": [], "observations": []}
+        state = {"writes": {}, **(json.loads(state) if state else _NOTHING_SAVED)}
+        costs = {name: spec[0] for name, spec in (json.loads(config)["registry"] if config else {}).items()}
+    except (TypeError, ValueError, LookupError, AttributeError):
+        return None, None, None
+    def ints(*values):
+        return all(type(value) is int for value in values)
+
+    fits = (type(record) is dict and type(record.get("calls")) is list and type(record.get("observations")) is list
+            and ints(record.get("round")) and len(record["observations"]) <= len(record["calls"])
+            and all(type(item) is dict and type(item.get("call_id")) is str and type(item.get("name")) is str
+                    for item in record["calls"])
+            and type(state["writes"]) is dict and all(type(write) is dict for write in state["writes"].values())
+            and type(state.get("used")) is dict and ints(*(state["used"].get(key) for key in _NOTHING_USED))
+            and ints(*costs.values()))
+    return (record, state, costs) if fits else (None, None, None)
+
+
 def _retried(trace, record, cut):
     """The calls of record's round among cut whose retry a saved "retry" event says was about to start, once per
     retry (PART 12): each was charged before it started."""
@@ -3021,8 +3051,8 @@ class SqlStore(Store):
         also when the database is too busy to answer (a frozen SQLite writer holds its lock, say)."""
         try:
             self._unstall()
-            with self._transaction():
-                while True:
+            while True:
+                with self._transaction():  # one run at a time: setting many aside holds no row long
                     now = self._now()  # (a job queued past its deadline has ended: it will never start)
                     row = self._sql(f"SELECT run_id, claims FROM agent_loop_runs r WHERE status IS NULL AND (waits "
                                     f"IS NULL OR waits = 'awaiting_job' AND NOT EXISTS (SELECT 1 FROM agent_loop_jobs "
@@ -3034,14 +3064,16 @@ class SqlStore(Store):
                         return None
                     generation, holder, _, now = self._held(row[0])
                     claims = row[1] + 1  # hand-outs in a row whose lease ran out: a claim that ended otherwise, 0
-                    if claims <= self.max_claims:
-                        break
-                    self._sql("UPDATE agent_loop_runs SET waits = 'aside', why = ?, holder = NULL, lease_until = NULL "
-                              "WHERE run_id = ?", (f"handed out {self.max_claims} times in a row, its lease ran out "
-                                                   f"each time", row[0]))
-                generation += 1  # a new generation: a holder whose lease ran out is fenced
-                self._sql("UPDATE agent_loop_runs SET generation = ?, holder = ?, lease_until = ?, claims = ?, waits = "
-                          "NULL WHERE run_id = ?", (generation, self.holder, now + self.lease_seconds, claims, row[0]))
+                    if claims > self.max_claims:
+                        self._sql("UPDATE agent_loop_runs SET waits = 'aside', why = ?, holder = NULL, lease_until = "
+                                  "NULL WHERE run_id = ?", (f"handed out {self.max_claims} times in a row, its lease "
+                                                            f"ran out each time", row[0]))
+                        continue
+                    generation += 1  # a new generation: a holder whose lease ran out is fenced
+                    self._sql("UPDATE agent_loop_runs SET generation = ?, holder = ?, lease_until = ?, claims = ?, "
+                              "waits = NULL WHERE run_id = ?", (generation, self.holder, now + self.lease_seconds,
+                                                                claims, row[0]))
+                    break
         except self.error as error:
             if self.dialect["trouble"](error) == _BUSY:
                 return None
@@ -3177,6 +3209,9 @@ class SqlStore(Store):
         _checked_run_id(run_id)
         if not _a_name(by):
             raise ValueError("by must be a string of 1 to 80 printable characters")
+        return self._unless_busy(self._cancelled_run, run_id, by)
+
+    def _cancelled_run(self, run_id, by):
         with self._transaction():
             generation, holder, until, now = self._held(run_id)
             row = self._sql("SELECT status, state, waits, config, cancel FROM agent_loop_runs WHERE run_id = ?",
@@ -3186,12 +3221,12 @@ class SqlStore(Store):
             self._cancel_jobs(run_id)
             last = self._sql("SELECT body FROM agent_loop_records WHERE run_id = ? ORDER BY round DESC LIMIT 1",
                              (run_id,)).fetchone()
-            record = json.loads(last[0]) if last else None
-            state = json.loads(row[1]) if row[1] else _NOTHING_SAVED
-            cut = [] if record is None else record["calls"][len(record["observations"]):]
+            record, state, costs = _cancellable(last and last[0], row[1], row[3])
+            if record is None:  # not what a store writes: the run's resume sets it aside, saying so
+                raise ValueError(f"{run_id}: what the store holds for it is not a run this version saved")
+            cut = record["calls"][len(record["observations"]):]
             crashed = bool(cut) and row[2] != "approval"  # a crash cut the batch: any call of it may have started
-            costs = json.loads(row[3])["registry"] if row[3] else {}  # each tool's cost, as its config saved it
-            unknown = crashed and any(state.get("writes", {}).get(item["call_id"], {}).get("started") or
+            unknown = crashed and any(state["writes"].get(item["call_id"], {}).get("started") or
                                       item["name"] not in costs for item in cut)
             # A worker holds it, a write may have applied (a crash cut it once handed to its tool, or it waits for its
             # outcome), or a cut call's cost is the catalog's, unknown here: the cancel is asked (the first asker
@@ -3204,7 +3239,7 @@ class SqlStore(Store):
                                                                  "= ? ORDER BY seq", (run_id,)).fetchall()]
                 charged, used = cut + _retried(trace, record, cut), state["used"]
                 state = {**state, "used": {**used, "calls": used["calls"] + len(charged), "credits": used["credits"] +
-                                           sum(costs[item["name"]][0] for item in charged)}}
+                                           sum(costs[item["name"]] for item in charged)}}
             if cut:  # a crash cut it, or it waited for approvals: then none of it started
                 record["observations"] += [{**item, "ok": False, "error": "interrupted" if crashed else "cancelled",
                                             "retryable": crashed} for item in cut]
@@ -3366,8 +3401,8 @@ class SqlStore(Store):
         which = "" if kinds is None else f" AND kind IN ({', '.join('?' * len(kinds))})"
         try:
             self._unstall_jobs()
-            with self._transaction():
-                while True:
+            while True:
+                with self._transaction():  # one job at a time: ending a long backlog holds no row long
                     now = self._now()
                     row = self._sql("SELECT id, state, attempt, max_attempts, deadline, kind, params FROM "
                                     "agent_loop_jobs WHERE ((state = 'queued' AND (not_before IS NULL OR not_before <= "
@@ -3480,9 +3515,10 @@ class SqlStore(Store):
             self._job_ends(job_id, "failed", row[1], "deadline_exceeded")
 
     def _unless_busy(self, method, *args):
-        """method(*args), tried once more after ending a frozen worker's session that held the job (on PostgreSQL);
-        JobError "busy" while another connection still holds what it waits for, never the driver's error."""
-        for last in (not self.dialect["unstall_jobs"], True):
+        """method(*args), tried once more after ending a frozen worker's session that held its run or job (on
+        PostgreSQL); JobError "busy" while another connection still holds what it waits for, never the driver's
+        error."""
+        for last in (not self.dialect["unstall"], True):
             try:
                 return method(*args)
             except self.error as error:
@@ -3490,6 +3526,7 @@ class SqlStore(Store):
                     raise
                 if last:
                     raise JobError("busy") from None
+            self._unstall()
             self._unstall_jobs()
 
     def _owns(self, owner, job_id):
@@ -4415,23 +4452,37 @@ async def _work(store, function, job):
 async def _patiently(store, method, *args):
     """method(*args) on the store's thread, tried again while the database is busy (another connection holds what
     it waits for) for up to a lease; then Superseded("busy"): the job's lease will run out, and it is another's. It
-    waits between tries in a thread of asyncio's, never on the store's thread, which serves other calls meanwhile."""
-    return await asyncio.to_thread(_patiently_here, store, method, *args)
+    waits between tries on the loop: the store's thread serves other calls meanwhile, and no thread waits."""
+    waits = _busy_waits(store, args[0])
+    while True:
+        try:
+            return await _off_the_loop(store, method, *args)
+        except store.error as error:
+            if store.dialect["trouble"](error) != _BUSY:
+                raise
+        await asyncio.sleep(next(waits))
 
 
 def _patiently_here(store, method, *args):
-    """_patiently, in the thread that calls it."""
-    end, wait = time.monotonic() + store.lease_seconds, 0.01
+    """_patiently, in the thread that calls it (a plain job function's)."""
+    waits = _busy_waits(store, args[0])
     while True:
         try:
             return method(*args)
         except store.error as error:
             if store.dialect["trouble"](error) != _BUSY:
                 raise
-            if time.monotonic() + wait > end:
-                raise Superseded(args[0], "busy") from None
-        time.sleep(wait)
+        time.sleep(next(waits))
+
+
+def _busy_waits(store, job_id):
+    """The waits between the tries of a job's call the database was too busy for: from 0.01 s, doubling up to 0.5 s,
+    for up to a lease; then Superseded("busy")."""
+    end, wait = time.monotonic() + store.lease_seconds, 0.01
+    while time.monotonic() + wait <= end:
+        yield wait
         wait = min(wait * 2, 0.5)
+    raise Superseded(job_id, "busy")
 
 
 # PART 15: a run that waits for its jobs without holding a process: a tool whose work is a job

@@ -6071,6 +6071,16 @@ class LeaseTests(LeaseCase):
         b.save("job", 2, self.free("job"), [], [])  # accepted: its lease runs until 6 now
         self.assertEqual(a.claim_next(), None)
 
+    async def test_a_named_run_is_claimed_and_runs_while_asyncios_thread_pool_is_full(self):
+        release = threading.Event()
+        self.addCleanup(release.set)
+        loop = asyncio.get_running_loop()
+        blocked = [loop.run_in_executor(None, release.wait, 60) for _ in range(40)]  # tools' work, say
+        result = await asyncio.wait_for(run_agent(store=self.store(), run_id="job", limits=ROOMY), 30)
+        release.set()
+        await asyncio.gather(*blocked)
+        self.assertEqual(result["status"], "completed")
+
     def test_the_queue_gives_each_free_run_once_oldest_first_and_an_id_added_twice_once(self):
         now = [100.0]
         a, b = (self.store(lease_seconds=10, clock=lambda: now[0]) for _ in "ab")
@@ -6532,6 +6542,34 @@ class SqliteLeaseTests(LeaseCase):
                          ["the database: busy: another connection holds its lock",
                           "the database: read-only: a store must write", "the database: not a store",
                           "the database: a store of another version"])
+
+    def test_cancel_run_of_a_crashed_run_edited_by_hand_is_a_value_error_and_changes_nothing(self):
+        now = [1.0]
+        store = self.store(clock=lambda: now[0])
+        state = {**agent_loop._NOTHING_SAVED, "used": {"rounds": 1, "calls": 0, "credits": 3}}
+        cut = {"round": 1, "calls": [{"call_id": "a", "name": "t", "arguments": {}}], "observations": []}
+        edits = [(None, None), ("config", '{"registry": {"t": 5}}'), ("config", '{"registry": {"t": ["x"]}}'),
+                 ("state", "[]"), ("state", '{"used": {"rounds": "1"}}'), ("record", "[]"),
+                 ("record", '{"round": 1, "calls": [{"call_id": "a"}], "observations": []}')]
+        for number, (column, text) in enumerate(edits):
+            run_id = f"r{number}"
+            now[0] = 1.0
+            store.save(run_id, store.claim(run_id, '{"registry": {"t": [2]}}', 0.0), state, [cut], [])  # then a crash
+            with contextlib.closing(sqlite3.connect(self.where)) as db, db:
+                if column == "record":
+                    db.execute("UPDATE agent_loop_records SET body = ? WHERE run_id = ?", (text, run_id))
+                elif column:
+                    db.execute(f"UPDATE agent_loop_runs SET {column} = ? WHERE run_id = ?", (text, run_id))
+            now[0] = 100.0  # its lease ran out
+            if column is None:  # as saved: cancelled at once, its cut call charged
+                self.assertEqual(store.cancel_run(run_id), "cancelled")
+                self.assertEqual(store.load(run_id)["state"]["used"], {"rounds": 1, "calls": 1, "credits": 5})
+                continue
+            with self.subTest(column=column, text=text), self.assertRaises(ValueError) as refused:
+                store.cancel_run(run_id)
+            self.assertEqual(str(refused.exception), f"{run_id}: what the store holds for it is not a run this "
+                                                     "version saved")
+            self.assertIsNone(store.load(run_id)["status"])
 
     def test_a_store_on_a_read_only_mount_is_called_read_only_not_a_file_that_is_no_store(self):
         mount = os.path.join(self.folder, "mount")
@@ -7209,6 +7247,38 @@ class JobTests(LeaseCase):
             claimed = await asyncio.to_thread(store.claim_job)
             self.assertEqual((claimed["id"], claimed["attempt"]), (1, 1))
 
+    async def test_work_jobs_keeps_a_jobs_lease_while_its_function_fills_asyncios_thread_pool(self):
+        store, other = self.store(lease_seconds=1.0), self.store(lease_seconds=1.0)
+        store.submit("ana", "k", "export", {})
+        release, started = threading.Event(), asyncio.Event()
+        self.addCleanup(release.set)
+
+        async def export(progress):  # its own blocking work fills the pool that every asyncio.to_thread shares
+            started.set()
+            await asyncio.gather(*(asyncio.to_thread(release.wait, 60) for _ in range(40)))
+            return {"rows": 3}
+
+        worker = asyncio.create_task(agent_loop.work_jobs(store, {"export": export}))
+        await started.wait()
+        await asyncio.sleep(2.5)  # two and a half leases: renewed all along, off that pool
+        self.assertIsNone(other.claim_job())
+        release.set()
+        self.assertEqual((await worker, store.status("ana", 1)["attempt"], store.result("ana", 1)["result"]),
+                         (1, 1, {"rows": 3}))
+
+    async def test_a_cancel_run_that_meets_a_held_run_says_busy_never_the_drivers_error(self):
+        store = self.impatient()
+        store.add("r")
+        holder = self.connect()
+        self.addCleanup(holder.close)
+        holder.execute("BEGIN IMMEDIATE" if self.kind() == "sqlite" else "BEGIN")
+        holder.execute("SELECT 1 FROM agent_loop_runs WHERE run_id = 'r'" + ("" if self.kind() == "sqlite" else
+                                                                             " FOR UPDATE"))
+        with self.assertRaises(agent_loop.JobError) as busy:
+            store.cancel_run("r")
+        holder.execute("ROLLBACK")
+        self.assertEqual((busy.exception.code, store.cancel_run("r")), ("busy", "cancelled"))
+
     def crashed_worker(self, stop):
         """A worker process that claims job 1 and, one step in, writes ready and stops there: killed (SIGKILL), or
         stopped (SIGSTOP) and returned, to be woken."""
@@ -7263,6 +7333,33 @@ def quick_export(month, progress):
 
 class PostgresJobTests(OnPostgres, JobTests):
     """The job tests on a PostgreSQL server of their own."""
+
+    def test_a_claim_that_ends_a_backlog_of_expired_jobs_is_never_taken_for_a_stalled_one(self):
+        now, ended_four = [0.0], threading.Event()
+
+        class Slow(agent_loop.SqlStore):  # each job it ends takes a while, as on a loaded server
+            ended = 0
+
+            def _job_ends(self, *args, **said):
+                super()._job_ends(*args, **said)
+                Slow.ended += 1
+                if Slow.ended == 4:  # three of these sleeps behind it: over a second
+                    ended_four.set()
+                time.sleep(0.4)
+
+        submitter = self.store(clock=lambda: now[0])
+        for number in range(8):
+            submitter.submit("ana", f"k{number}", "export", {}, deadline_seconds=1)
+        now[0] = 10.0  # every deadline has passed: a backlog left while no worker ran
+        slow = Slow(self.connect, clock=lambda: now[0])
+        self.addCleanup(slow.close)
+        claiming = concurrent.futures.ThreadPoolExecutor(1)
+        self.addCleanup(claiming.shutdown)
+        claimed = claiming.submit(slow.claim_job)
+        self.assertTrue(ended_four.wait(30))  # it has worked for over a second, each job in its own transaction
+        self.assertIsNone(self.store(clock=lambda: now[0]).claim_job())  # which looks for stalled sessions
+        self.assertIsNone(claimed.result(30))  # not ended: it went on to the end of the backlog
+        self.assertEqual({submitter.status("ana", n)["error"] for n in range(1, 9)}, {"deadline_exceeded"})
 
 
 # PART 12: a call's attempts: reads tried again unseen by the model, a tool's own time limit, a cap on calls in
