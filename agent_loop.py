@@ -2845,8 +2845,8 @@ def _a_wait(seconds):
 
 class JobError(Exception):
     """A job the store refuses: its code is "key_conflict" (the owner's key names another request), "queue_full",
-    or "busy" (another connection held what a submit, status or cancel waits for past the store's wait: try
-    again)."""
+    or "busy" (another connection held what a submit, status, cancel or cancel_run waits for past the store's wait:
+    try again)."""
 
     def __init__(self, code):
         super().__init__(code)
@@ -3205,7 +3205,8 @@ class SqlStore(Store):
         that may have applied (cut once handed to its tool, or awaiting its outcome), or with a cut call whose cost only
         the catalog knows, stops cancelled at its next save (once its resume settled and charged the cut calls), or
         before its next call starts, saying who asked first. Its status after: cancelled, "cancel_requested", that of a
-        run that had ended (left as it was), or None for none of that id."""
+        run that had ended (left as it was), or None for none of that id. JobError("busy") while another connection
+        holds the run or one of its jobs; ValueError for a run edited by hand."""
         _checked_run_id(run_id)
         if not _a_name(by):
             raise ValueError("by must be a string of 1 to 80 printable characters")
