@@ -3180,8 +3180,8 @@ class SqlStore(Store):
                       (json.dumps(state), status, answer, state["waits"] if end is None and done else None,
                        None if done else self.holder, None if done else held[3] + self.lease_seconds,
                        None if end is not None else cancel, 0 if done else claims, run_id))
-            if end is not None:  # an ended run's jobs will never be read: asked to cancel
-                self._cancel_jobs(run_id)
+            if end is not None:  # an ended run's jobs will never be read: asked to cancel, but for one held now
+                self._cancel_jobs(run_id, self.dialect["skip_locked"])
             self.db.cursor().executemany(
                 "INSERT INTO agent_loop_records VALUES (?, ?, ?) ON CONFLICT (run_id, round) DO UPDATE SET body = "
                 "excluded.body".replace("?", self.dialect["mark"]),
@@ -3266,10 +3266,12 @@ class SqlStore(Store):
         1): another process follows a run as it goes, and picks up where it left off."""
         return _trace(self._sql, run_id, after)
 
-    def _cancel_jobs(self, run_id):
-        """Ask each unfinished job the run submitted to cancel: a queued one is cancelled, a running one asked."""
+    def _cancel_jobs(self, run_id, skip=""):
+        """Ask each unfinished job the run submitted to cancel: a queued one is cancelled, a running one asked. With
+        skip, the dialect's skip_locked, a job another connection holds this moment (its worker mid-save, or frozen
+        there) is left to end on its own: a run's end waits for no job worker."""
         for job_id, in self._sql("SELECT id FROM agent_loop_jobs WHERE run_id = ? AND state IN ('queued', 'running') "
-                                 "ORDER BY id", (run_id,)).fetchall():
+                                 "ORDER BY id" + skip, (run_id,)).fetchall():
             # Read again with its row locked, as the worker's calls read it: a finish committed meanwhile is final.
             state, attempt = self._job(job_id)[:2]
             if state in ("queued", "running"):
@@ -4504,7 +4506,7 @@ class _JobRuns(Part):
     its key, never made again (none found: a read's call stays as it ended, a write did not apply). The time paused
     is none of the run's. A job tool that writes is approved first, as any write. In a serial batch the calls after
     a job's call wait until the job has ended, as after a write whose outcome is unknown. A run that ends asks its
-    unfinished jobs to cancel."""
+    unfinished jobs to cancel (but for one a job worker holds that moment, mid-save or frozen there)."""
 
     statuses = pauses = ("awaiting_job",)
     errors = ("job_failed", "job_cancelled")

@@ -7334,6 +7334,20 @@ def quick_export(month, progress):
 class PostgresJobTests(OnPostgres, JobTests):
     """The job tests on a PostgreSQL server of their own."""
 
+    def test_a_runs_end_waits_for_no_job_another_connection_holds_and_asks_the_others_to_cancel(self):
+        store = self.store()
+        generation = store.claim("r", "{}", 0.0)
+        for key in ("k1", "k2"):
+            store.submit("r", key, "export", {}, run_id="r")
+        self.assertEqual(self.store().claim_job()["id"], 1)
+        holder = self.connect()  # job 1's worker, in the middle of a save (or frozen there)
+        self.addCleanup(holder.close)
+        holder.execute("BEGIN")
+        holder.execute("SELECT 1 FROM agent_loop_jobs WHERE id = 1 FOR UPDATE")
+        store.save("r", generation, dict(agent_loop._NOTHING_SAVED), [], [], end=("completed", None))
+        holder.execute("ROLLBACK")
+        self.assertEqual([store.status("r", job_id)["state"] for job_id in (1, 2)], ["running", "cancelled"])
+
     def test_a_claim_that_ends_a_backlog_of_expired_jobs_is_never_taken_for_a_stalled_one(self):
         now, ended_four = [0.0], threading.Event()
 
