@@ -7052,19 +7052,22 @@ class JobTests(LeaseCase):
         await working
         self.assertEqual((store.status("ana", 1)["state"], reported, store.result("ana", 1)), ("cancelled", [1, 2, 3], None))
 
-    async def test_work_jobs_keeps_the_lease_of_a_job_that_reports_no_progress(self):
+    async def test_work_jobs_keeps_the_lease_of_a_job_that_reports_no_progress_and_fills_asyncios_pool(self):
         store = self.store(lease_seconds=1.0)
         other = self.store(lease_seconds=1.0)
         store.submit("ana", "k", "quiet", {})
+        release = threading.Event()
+        self.addCleanup(release.set)
 
-        async def quiet(progress):
-            await asyncio.sleep(3.0)  # three leases long, and not a word
+        async def quiet(progress):  # not a word for over two leases, its blocking work in the pool to_thread shares
+            await asyncio.gather(*(asyncio.to_thread(release.wait, 60) for _ in range(40)))
             return {"quiet": True}
 
         working = asyncio.create_task(agent_loop.work_jobs(store, {"quiet": quiet}))
         for _ in range(8):
             await asyncio.sleep(0.3)
-            self.assertIsNone(await asyncio.to_thread(other.claim_job))  # never free: its lease is kept
+            self.assertIsNone(other.claim_job())  # never free: its lease is kept, renewed off that pool
+        release.set()
         await working
         self.assertEqual(self.events(store, 1), ["submitted", "claimed", "succeeded"])
 
@@ -7246,25 +7249,6 @@ class JobTests(LeaseCase):
             self.assertEqual(store.status("ana", 1)["state"], "queued")
             claimed = await asyncio.to_thread(store.claim_job)
             self.assertEqual((claimed["id"], claimed["attempt"]), (1, 1))
-
-    async def test_work_jobs_keeps_a_jobs_lease_while_its_function_fills_asyncios_thread_pool(self):
-        store, other = self.store(lease_seconds=1.0), self.store(lease_seconds=1.0)
-        store.submit("ana", "k", "export", {})
-        release, started = threading.Event(), asyncio.Event()
-        self.addCleanup(release.set)
-
-        async def export(progress):  # its own blocking work fills the pool that every asyncio.to_thread shares
-            started.set()
-            await asyncio.gather(*(asyncio.to_thread(release.wait, 60) for _ in range(40)))
-            return {"rows": 3}
-
-        worker = asyncio.create_task(agent_loop.work_jobs(store, {"export": export}))
-        await started.wait()
-        await asyncio.sleep(2.5)  # two and a half leases: renewed all along, off that pool
-        self.assertIsNone(other.claim_job())
-        release.set()
-        self.assertEqual((await worker, store.status("ana", 1)["attempt"], store.result("ana", 1)["result"]),
-                         (1, 1, {"rows": 3}))
 
     async def test_a_cancel_run_that_meets_a_held_run_says_busy_never_the_drivers_error(self):
         store = self.impatient()
