@@ -2241,7 +2241,6 @@ class _Journal(Part):
                          for name, spec in run.registry.items()}}))
         self.holding, self.renewal, self.lost, self.unresumable, self.generation = False, None, None, False, None
         self.given = set()  # the writes this process handed to their tool
-        self.saving = asyncio.Lock()  # the retries of a parallel batch keep their charges one save at a time
 
     async def _open(self, run):
         """Load, check, claim, load and check again: a ValueError gives back a lease claim_next or the claim took."""
@@ -2366,9 +2365,9 @@ class _Journal(Part):
 
     async def retry(self, run, value, item):
         """A read's retry about to start: its "retry" event saved first, with used as it stood between calls (the
-        attempts in flight are not in it), so that a resume charges the cut calls once each and this retry too."""
-        async with self.saving:
-            await self._save(run, used=self.kept)
+        attempts in flight are not in it), so that a resume charges the cut calls once each and this retry too.
+        Attempts traces and saves one retry at a time: a save never carries a retry that is not its own."""
+        await self._save(run, used=self.kept)
         return value
 
     async def gate(self, run, observations, record, calls):
@@ -3795,20 +3794,24 @@ class Attempts(Part):
             return obs, started[item["call_id"]] > before
 
         self.started = started  # counted by after_call, which only an attempt that started reaches
+        self.retrying = asyncio.Lock()  # one retry at a time is traced and saved
 
         async def tried(item):
             spec, attempt_number, last = run.registry[item["name"]], 1, None
             while True:
                 async with slots:
                     if last is not None:  # a retry: the trace says when it is about to start, and after what
-                        event = {"event": "retry", "round": run.history[-1]["round"], "call_id": item["call_id"],
-                                 "attempt": attempt_number, "after": last["error"], **run.used}
-                        run.trace.append(event)
-                        try:
-                            await run.seam("retry", None, item)  # a named run keeps its charge before it starts
-                        except Stop:  # the store refused it (fenced, failed, a cancel): the run stops at its next save
-                            del run.trace[next(i for i, kept in enumerate(run.trace) if kept is event)]
-                            return last
+                        # Traced and saved under one lock: another retry's save cannot carry this event first (and a
+                        # refused save has stored nothing the trace then drops).
+                        async with self.retrying:
+                            event = {"event": "retry", "round": run.history[-1]["round"], "call_id": item["call_id"],
+                                     "attempt": attempt_number, "after": last["error"], **run.used}
+                            run.trace.append(event)
+                            try:
+                                await run.seam("retry", None, item)  # a named run keeps its charge before it starts
+                            except Stop:  # refused (fenced, failed, a cancel): the run stops at its next save
+                                del run.trace[next(i for i, kept in enumerate(run.trace) if kept is event)]
+                                return last
                         await _watch(run, event)
                     obs, began = await attempt(item)
                 if last is not None and not began:  # overtaken by a stop: the last failure is the observation

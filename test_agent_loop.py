@@ -7526,6 +7526,47 @@ class AttemptTests(RuntimeTestCase):
         self.assertEqual((result["status"], result["used"]["calls"], len(started)), ("cancelled", 5, 5))
         self.assertEqual(result["used"]["credits"], result["used"]["rounds"] * 3 + 5)  # a credit a call, as resumed
 
+    async def test_a_retry_is_saved_by_its_own_save_alone_and_a_refused_one_is_in_neither_trace(self):
+        # Three reads fail at once. The first retry's save waits until the other two wait to retry; a cancel is asked
+        # for once two retries are stored, so that the third retry's save is refused.
+        released, saves, failed = threading.Event(), [], []
+
+        class Store(agent_loop.SqliteStore):
+            def save(self, run_id, generation, state, records, events, end=None):
+                retries = [event["call_id"] for event in events if event["event"] == "retry"]
+                if retries and not any(saves):
+                    released.wait(60)  # the test sets it (a wide margin: a broken test fails, never hangs)
+                saved = super().save(run_id, generation, state, records, events, end)
+                saves.append(retries)
+                if sum(map(len, saves)) >= 2 and len(saves[-1]):
+                    self.cancel_run(run_id, by="ops")
+                return saved
+
+        async def read(n):
+            if n not in failed:
+                failed.append(n)
+                raise TemporaryError("busy")
+            return {"n": n}
+
+        registry = {"read": ToolSpec(1, True, True, parameters=self.READ, retries=1, backoff=(0.001, 0.002))}
+        with tempfile.TemporaryDirectory() as folder, Store(os.path.join(folder, "runs.db")) as store, \
+                unittest.mock.patch.object(agent_loop.random, "uniform", return_value=0.0):  # backoffs of 0 s
+            run = asyncio.create_task(run_agent(
+                scripted(calls(*(call(f"c{n}", "read", n=n) for n in range(3)))), registry=registry, store=store,
+                run_id="race", accept=never_accept, fixtures=PlainTools({"read": read}),
+                limits=dataclasses.replace(ROOMY, calls=6)))  # room for each call and a retry of each
+            await wait_until(lambda: len(failed) == 3)
+            for _ in range(200):  # the loop runs on until the other two retries wait for the first one's save
+                await asyncio.sleep(0)
+            released.set()
+            result = await run
+            stored = store.trace("race")
+        names = lambda trace: [(event["event"], event.get("call_id")) for event in trace]
+        self.assertEqual(result["status"], "cancelled")
+        self.assertEqual(names(stored), names(result["trace"]))  # the refused retry: in neither
+        self.assertEqual([len(retries) for retries in saves if retries], [1, 1])  # each retry saved by its own save
+        self.assertEqual([event["event"] for event in stored], ["decision", "retry", "retry", "observations", "stop"])
+
     async def test_a_bad_retries_or_backoff_is_refused_before_a_named_run_is_claimed(self):
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "runs.db")
