@@ -3931,13 +3931,17 @@ class Catalog:
         """The summaries ({"name", "description", "effect", "version", "digest"}, never a schema) of the entries these
         grants may use whose keywords the query's words hit, most hits first, ties by name; at most limit; [] if
         none hits: never the nearest tool."""
+        return self._search(query, grants, limit, lambda name: True)
+
+    def _search(self, query, grants, limit, runs):
+        """search's answer among the entries runs(name) is true of (a run's search_tools: the ones it can run)."""
         if type(query) is not str:
             raise ValueError("query must be a string")
         if type(limit) is not int or limit < 1:
             raise ValueError("limit must be an int >= 1")
         words, grants = set(query.casefold().split()), _grants(grants)
         hits = [(-len(entry.keywords & words), name) for name, entry in self.entries.items()
-                if entry.permission in grants]  # filtered before scoring: a hidden entry is never scored
+                if entry.permission in grants and runs(name)]  # filtered before scoring: a hidden entry is never scored
         return [self._given(self._summary(name)) for score, name in sorted(hits) if score < 0][:limit]
 
     def load(self, names, grants, budget_bytes=4096):
@@ -4129,8 +4133,8 @@ class _CatalogRun(Part):
 
     def runs(self, name):
         """False for an entry this run cannot run as the catalog's tool: a name of its own registry, or one its tools
-        have no function for (an entry added since the run began, which join never checked); a load answers it as
-        unknown_tool, the bytes of an absent name's. True for any other name, the catalog's to answer."""
+        have no function for (an entry added since the run began, which join never checked); a search leaves it out,
+        a load answers it as unknown_tool, the bytes of an absent name's. True for any other name, the catalog's."""
         entry = self.catalog.entries.get(name) if type(name) is str else None
         if entry is None:
             return True
@@ -4209,8 +4213,8 @@ class _CatalogTools:
     async def invoke(self, call):
         """The catalog's answer to search_tools or load_tools; any other call, the run's own tools'."""
         catalog, grants, args = self.part.catalog, self.part.now, call["arguments"]
-        if call["name"] == "search_tools":
-            return {"candidates": catalog.search(args["query"], grants)}
+        if call["name"] == "search_tools":  # never an entry a load would answer unknown_tool (see runs)
+            return {"candidates": catalog._search(args["query"], grants, 5, self.part.runs)}  # search's limit
         if call["name"] == "load_tools":
             for name in args["names"]:  # in order, as the load looks: the first name it cannot load is the answer
                 if name not in catalog.entries or catalog.entries[name].permission not in grants:

@@ -8098,6 +8098,25 @@ class CatalogTests(RuntimeTestCase):
         self.assertEqual(refusals, [refusals[2]] * 3)  # as a name the catalog never had, byte for byte
         self.assertEqual(result["used"]["credits"], 3 * 3 + 3)  # three loads; the call never ran
 
+    async def test_a_search_in_a_run_never_lists_an_entry_its_load_would_answer_unknown_tool(self):
+        catalog, _, functions = agent_loop.order_catalog()
+        lookup = {"lookup": ToolSpec(1, True, True, parameters=ORDER)}
+
+        async def model(history):
+            if not history:  # added once the run has begun: one named as a registry tool, one with no function
+                catalog.add("lookup", ToolSpec(1, True, True, parameters=ORDER, description="The catalog's."),
+                            ("late",), "orders:read")
+                catalog.add("late_get", ToolSpec(1, True, True, parameters=ORDER, description="Added late."),
+                            ("late",), "orders:read")
+            return [calls(call("s", "search_tools", query="late order")), final("done")][len(history)]
+
+        result = await run_agent(model, registry=lookup, catalog=catalog, grants=ORDER_GRANTS, accept=any_answer,
+                                 fixtures=agent_loop.FunctionTools({**functions, "lookup": dict}), limits=ROOMY)
+        (found,) = observations(result)
+        self.assertEqual([told["name"] for told in found["data"]["candidates"]], ["orders_get"])
+        self.assertEqual([told["name"] for told in catalog.search("late order", ORDER_GRANTS)],  # the catalog's own
+                         ["late_get", "lookup", "orders_get"])
+
     async def test_a_name_of_the_registry_stays_the_registrys_in_a_run_and_in_a_request(self):
         catalog, grants, functions = agent_loop.order_catalog()
         lookup = {"lookup": ToolSpec(1, True, True, parameters=ORDER, description="The registry's own.")}
