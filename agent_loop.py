@@ -1739,7 +1739,8 @@ async def _ask(create, request):
 
 
 def _model(create, options, turns, replay, tools, decide):
-    """A model for run_agent: one request per decision, the task's turns then history replayed, and tools(history)."""
+    """A model for run_agent: one request per decision: tools(history) gives its tools and the history it replays
+    after the task's turns."""
     if not _callable_object(create):
         raise ValueError("create must be your client's method, such as client.responses.create")
     key, first = turns
@@ -1749,20 +1750,22 @@ def _model(create, options, turns, replay, tools, decide):
                              f"opening turns as task")
 
     async def model(history):
-        request = {**options, key: [*_copy(first), *replay(history)], "tools": _copy(tools(history))}
+        offered, shown = tools(history)
+        request = {**options, key: [*_copy(first), *replay(shown)], "tools": _copy(offered)}
         return decide(await _ask(create, request))
 
     return model
 
 
 def _offered(tools, registry, catalog, grants):
-    """The tools of each request, a function of history: the registry's, as tools() declares them; with a catalog
-    (PART 13), its two tools and those this history loaded whose permission the grants (run_agent's, read again at
-    each request) hold now, and nothing else the catalog holds."""
+    """The tools of each request and the history it replays, a function of history: the registry's tools, as tools()
+    declares them, and history; with a catalog (PART 13), its two tools and those this history loaded whose
+    permission the grants (run_agent's, read once a request) hold now, nothing else the catalog holds, and history
+    as Catalog.shown cuts it for those grants."""
     offered = tools(registry)  # a registry that cannot be offered is a ValueError now, not at the first request
     if catalog is None and grants is None:
-        return lambda history: offered
-    if not callable(getattr(catalog, "offered", None)):
+        return lambda history: (offered, history)
+    if not all(callable(getattr(catalog, name, None)) for name in ("offered", "shown")):
         raise ValueError("catalog must be a Catalog, given with its grants")
     if grants is None:
         raise ValueError("grants: a bridge given a catalog needs the run's grants too")
@@ -1771,8 +1774,12 @@ def _offered(tools, registry, catalog, grants):
     clash = [name for name in registry if name in catalog.offered([], frozenset())]
     if clash:
         raise ValueError(f"{clash[0]}: a name of the catalog's own tools, in the registry")
-    return lambda history: [*offered, *tools({name: spec for name, spec in catalog.offered(
-        history, _granted(grants)).items() if name not in registry})]
+
+    def request(history):
+        now = _granted(grants)
+        return [*offered, *tools({name: spec for name, spec in catalog.offered(history, now).items()
+                                  if name not in registry})], catalog.shown(history, now)
+    return request
 
 
 def _task(task):
@@ -3988,7 +3995,7 @@ class Catalog:
     def offered(self, history, grants):
         """The tools a request offers a model in a run with this history, beyond its registry: the catalog's two and
         each one its history loaded whose permission these grants hold now, as loaded (the gate says if it may run).
-        A tool whose grant went is offered no more; what the model was shown before stays in its history."""
+        A tool whose grant went is offered no more, and shown cuts it from what a request replays."""
         offered, grants = dict(_CATALOG_SPECS), _grants(grants)
         for name, definition in _loaded(history).items():
             if name not in self.entries or self.entries[name].permission not in grants:
@@ -3998,6 +4005,33 @@ class Catalog:
                                 parameters=definition["parameters"])
                 offered[name] = _checked_registry({name: spec})[name]
         return offered
+
+    def shown(self, history, grants):
+        """history as a request replays it to a model: each search's candidates, each load's definitions and the names
+        each load asked for, less the entries whose permission these grants do not hold now (a tool whose grant went
+        is named no more). The run's history, which the final check and the store keep, is left as it is."""
+        grants = _grants(grants)
+
+        def seen(told):  # a name, a summary or a definition: False for an entry these grants may not use now
+            name = told.get("name") if type(told) is dict else told
+            return type(name) is not str or name not in self.entries or self.entries[name].permission in grants
+
+        def cut(told, field, key):  # a catalog tool's call or observation: its list told[field][key] cut to the seen
+            inner = told.get(field) if type(told) is dict and told.get("name") in CATALOG_TOOLS else None
+            if type(inner) is not dict or type(inner.get(key)) is not list:
+                return told
+            return {**told, field: {**inner, key: list(filter(seen, inner[key]))}}
+
+        if type(history) is not list:
+            return history  # replayed as given (a bridge refuses it as it would without a catalog)
+        shown = []
+        for record in history:
+            if type(record) is dict and type(record.get("calls")) is list and type(record.get("observations")) is list:
+                record = {**record, "calls": [cut(item, "arguments", "names") for item in record["calls"]],
+                          "observations": [cut(cut(obs, "data", "candidates"), "data", "tools")
+                                           for obs in record["observations"]]}
+            shown.append(record)
+        return shown
 
     def _given(self, told):
         """told (a summary or a definition), its digest recorded as given out."""

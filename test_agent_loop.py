@@ -7910,8 +7910,26 @@ class CatalogTests(RuntimeTestCase):
                 self.assertNotIn("orders_get", tools)  # nor its description or its schema
                 self.assertNotIn("Get one order", tools)
                 self.assertNotIn("^[A-Z][0-9]{0,8}$", tools)
-                replayed = create.requests[2][("messages", "input")[name == "responses"]]
-                self.assertIn("Get one order", json.dumps(replayed, ensure_ascii=False))  # its history keeps it
+                request = json.dumps(create.requests[2], ensure_ascii=False)  # what it replays too: its load
+                for said in ("orders_get", "Get one order", "^[A-Z][0-9]{0,8}$"):
+                    self.assertNotIn(said, request)
+                self.assertIn("Get one order", json.dumps(result["history"], ensure_ascii=False))  # the run's keeps it
+
+    async def test_a_tool_whose_grant_was_revoked_is_named_nowhere_in_the_next_request_of_each_bridge(self):
+        catalog, grants, functions = agent_loop.order_catalog()
+        result, _ = await agent_loop._catalog_run(catalog, grants, functions)  # searched, loaded with orders_get
+        history, now = copy.deepcopy(result["history"]), grants - {"shipments:read"}
+        self.assertIn("shipments_get", json.dumps(history))  # a candidate, a name loaded, a definition
+        for name, (make_model, options, reply_calls, reply_text) in BRIDGES.items():
+            with self.subTest(bridge=name):
+                create = Recorder(reply_text("done"))
+                model = make_model(create, "t", {}, catalog=catalog, grants=lambda: now, **options)
+                await model(result["history"])
+                request = json.dumps(create.requests, ensure_ascii=False)
+                for said in ("shipments_get", "Get the shipment of one order: its carrier and delivery status."):
+                    self.assertNotIn(said, request)
+                self.assertIn("Get one order", request)  # what the grants still hold is replayed as it was
+                self.assertEqual(result["history"], history)  # the run's own history unchanged
 
     def test_a_bridge_given_a_catalog_needs_the_runs_grants(self):
         catalog, grants, _ = agent_loop.order_catalog()
