@@ -1739,7 +1739,8 @@ async def _ask(create, request):
 
 
 def _model(create, options, turns, replay, tools, decide):
-    """A model for run_agent: one request per decision, the task's turns then history replayed, and tools(history)."""
+    """A model for run_agent: one request per decision: tools(history) gives its tools and the history it replays
+    after the task's turns."""
     if not _callable_object(create):
         raise ValueError("create must be your client's method, such as client.responses.create")
     key, first = turns
@@ -1749,20 +1750,22 @@ def _model(create, options, turns, replay, tools, decide):
                              f"opening turns as task")
 
     async def model(history):
-        request = {**options, key: [*_copy(first), *replay(history)], "tools": _copy(tools(history))}
+        offered, shown = tools(history)
+        request = {**options, key: [*_copy(first), *replay(shown)], "tools": _copy(offered)}
         return decide(await _ask(create, request))
 
     return model
 
 
 def _offered(tools, registry, catalog, grants):
-    """The tools of each request, a function of history: the registry's, as tools() declares them; with a catalog
-    (PART 13), its two tools and those this history loaded whose permission the grants (run_agent's, read again at
-    each request) hold now, and nothing else the catalog holds."""
+    """The tools of each request and the history it replays, a function of history: the registry's tools, as tools()
+    declares them, and history; with a catalog (PART 13), its two tools and those this history loaded whose
+    permission the grants (run_agent's, read once a request) hold now, nothing else the catalog holds, and history
+    as Catalog.shown cuts it for those grants."""
     offered = tools(registry)  # a registry that cannot be offered is a ValueError now, not at the first request
     if catalog is None and grants is None:
-        return lambda history: offered
-    if not callable(getattr(catalog, "offered", None)):
+        return lambda history: (offered, history)
+    if not all(callable(getattr(catalog, name, None)) for name in ("offered", "shown")):
         raise ValueError("catalog must be a Catalog, given with its grants")
     if grants is None:
         raise ValueError("grants: a bridge given a catalog needs the run's grants too")
@@ -1771,8 +1774,12 @@ def _offered(tools, registry, catalog, grants):
     clash = [name for name in registry if name in catalog.offered([], frozenset())]
     if clash:
         raise ValueError(f"{clash[0]}: a name of the catalog's own tools, in the registry")
-    return lambda history: [*offered, *tools({name: spec for name, spec in catalog.offered(
-        history, _granted(grants)).items() if name not in registry})]
+
+    def request(history):
+        now = _granted(grants)
+        return [*offered, *tools({name: spec for name, spec in catalog.offered(history, now).items()
+                                  if name not in registry})], catalog.shown(history, now)
+    return request
 
 
 def _task(task):
@@ -2249,7 +2256,6 @@ class _Journal(Part):
                          for name, spec in run.registry.items()}}))
         self.holding, self.renewal, self.lost, self.unresumable, self.generation = False, None, None, False, None
         self.given = set()  # the writes this process handed to their tool
-        self.saving = asyncio.Lock()  # the retries of a parallel batch keep their charges one save at a time
 
     async def _open(self, run):
         """Load, check, claim, load and check again: a ValueError gives back a lease claim_next or the claim took."""
@@ -2374,9 +2380,9 @@ class _Journal(Part):
 
     async def retry(self, run, value, item):
         """A read's retry about to start: its "retry" event saved first, with used as it stood between calls (the
-        attempts in flight are not in it), so that a resume charges the cut calls once each and this retry too."""
-        async with self.saving:
-            await self._save(run, used=self.kept)
+        attempts in flight are not in it), so that a resume charges the cut calls once each and this retry too.
+        Attempts traces and saves one retry at a time: a save never carries a retry that is not its own."""
+        await self._save(run, used=self.kept)
         return value
 
     async def gate(self, run, observations, record, calls):
@@ -3835,20 +3841,24 @@ class Attempts(Part):
             return obs, started[item["call_id"]] > before
 
         self.started = started  # counted by after_call, which only an attempt that started reaches
+        self.retrying = asyncio.Lock()  # one retry at a time is traced and saved
 
         async def tried(item):
             spec, attempt_number, last = run.registry[item["name"]], 1, None
             while True:
                 async with slots:
                     if last is not None:  # a retry: the trace says when it is about to start, and after what
-                        event = {"event": "retry", "round": run.history[-1]["round"], "call_id": item["call_id"],
-                                 "attempt": attempt_number, "after": last["error"], **run.used}
-                        run.trace.append(event)
-                        try:
-                            await run.seam("retry", None, item)  # a named run keeps its charge before it starts
-                        except Stop:  # the store refused it (fenced, failed, a cancel): the run stops at its next save
-                            del run.trace[next(i for i, kept in enumerate(run.trace) if kept is event)]
-                            return last
+                        # Traced and saved under one lock: another retry's save cannot carry this event first (and a
+                        # refused save has stored nothing the trace then drops).
+                        async with self.retrying:
+                            event = {"event": "retry", "round": run.history[-1]["round"], "call_id": item["call_id"],
+                                     "attempt": attempt_number, "after": last["error"], **run.used}
+                            run.trace.append(event)
+                            try:
+                                await run.seam("retry", None, item)  # a named run keeps its charge before it starts
+                            except Stop:  # refused (fenced, failed, a cancel): the run stops at its next save
+                                del run.trace[next(i for i, kept in enumerate(run.trace) if kept is event)]
+                                return last
                         await _watch(run, event)
                     obs, began = await attempt(item)
                 if last is not None and not began:  # overtaken by a stop: the last failure is the observation
@@ -3968,13 +3978,17 @@ class Catalog:
         """The summaries ({"name", "description", "effect", "version", "digest"}, never a schema) of the entries these
         grants may use whose keywords the query's words hit, most hits first, ties by name; at most limit; [] if
         none hits: never the nearest tool."""
+        return self._search(query, grants, limit, lambda name: True)
+
+    def _search(self, query, grants, limit, runs):
+        """search's answer among the entries runs(name) is true of (a run's search_tools: the ones it can run)."""
         if type(query) is not str:
             raise ValueError("query must be a string")
         if type(limit) is not int or limit < 1:
             raise ValueError("limit must be an int >= 1")
         words, grants = set(query.casefold().split()), _grants(grants)
         hits = [(-len(entry.keywords & words), name) for name, entry in self.entries.items()
-                if entry.permission in grants]  # filtered before scoring: a hidden entry is never scored
+                if entry.permission in grants and runs(name)]  # filtered before scoring: a hidden entry is never scored
         return [self._given(self._summary(name)) for score, name in sorted(hits) if score < 0][:limit]
 
     def load(self, names, grants, budget_bytes=4096):
@@ -4021,7 +4035,7 @@ class Catalog:
     def offered(self, history, grants):
         """The tools a request offers a model in a run with this history, beyond its registry: the catalog's two and
         each one its history loaded whose permission these grants hold now, as loaded (the gate says if it may run).
-        A tool whose grant went is offered no more; what the model was shown before stays in its history."""
+        A tool whose grant went is offered no more, and shown cuts it from what a request replays."""
         offered, grants = dict(_CATALOG_SPECS), _grants(grants)
         for name, definition in _loaded(history).items():
             if name not in self.entries or self.entries[name].permission not in grants:
@@ -4031,6 +4045,33 @@ class Catalog:
                                 parameters=definition["parameters"])
                 offered[name] = _checked_registry({name: spec})[name]
         return offered
+
+    def shown(self, history, grants):
+        """history as a request replays it to a model: each search's candidates, each load's definitions and the names
+        each load asked for, less the entries whose permission these grants do not hold now (a tool whose grant went
+        is named no more). The run's history, which the final check and the store keep, is left as it is."""
+        grants = _grants(grants)
+
+        def seen(told):  # a name, a summary or a definition: False for an entry these grants may not use now
+            name = told.get("name") if type(told) is dict else told
+            return type(name) is not str or name not in self.entries or self.entries[name].permission in grants
+
+        def cut(told, field, key):  # a catalog tool's call or observation: its list told[field][key] cut to the seen
+            inner = told.get(field) if type(told) is dict and told.get("name") in CATALOG_TOOLS else None
+            if type(inner) is not dict or type(inner.get(key)) is not list:
+                return told
+            return {**told, field: {**inner, key: list(filter(seen, inner[key]))}}
+
+        if type(history) is not list:
+            return history  # replayed as given (a bridge refuses it as it would without a catalog)
+        shown = []
+        for record in history:
+            if type(record) is dict and type(record.get("calls")) is list and type(record.get("observations")) is list:
+                record = {**record, "calls": [cut(item, "arguments", "names") for item in record["calls"]],
+                          "observations": [cut(cut(obs, "data", "candidates"), "data", "tools")
+                                           for obs in record["observations"]]}
+            shown.append(record)
+        return shown
 
     def _given(self, told):
         """told (a summary or a definition), its digest recorded as given out."""
@@ -4166,8 +4207,8 @@ class _CatalogRun(Part):
 
     def runs(self, name):
         """False for an entry this run cannot run as the catalog's tool: a name of its own registry, or one its tools
-        have no function for (an entry added since the run began, which join never checked); a load answers it as
-        unknown_tool, the bytes of an absent name's. True for any other name, the catalog's to answer."""
+        have no function for (an entry added since the run began, which join never checked); a search leaves it out,
+        a load answers it as unknown_tool, the bytes of an absent name's. True for any other name, the catalog's."""
         entry = self.catalog.entries.get(name) if type(name) is str else None
         if entry is None:
             return True
@@ -4246,8 +4287,8 @@ class _CatalogTools:
     async def invoke(self, call):
         """The catalog's answer to search_tools or load_tools; any other call, the run's own tools'."""
         catalog, grants, args = self.part.catalog, self.part.now, call["arguments"]
-        if call["name"] == "search_tools":
-            return {"candidates": catalog.search(args["query"], grants)}
+        if call["name"] == "search_tools":  # never an entry a load would answer unknown_tool (see runs)
+            return {"candidates": catalog._search(args["query"], grants, 5, self.part.runs)}  # search's limit
         if call["name"] == "load_tools":
             for name in args["names"]:  # in order, as the load looks: the first name it cannot load is the answer
                 if name not in catalog.entries or catalog.entries[name].permission not in grants:

@@ -7621,6 +7621,47 @@ class AttemptTests(RuntimeTestCase):
         self.assertEqual((result["status"], result["used"]["calls"], len(started)), ("cancelled", 5, 5))
         self.assertEqual(result["used"]["credits"], result["used"]["rounds"] * 3 + 5)  # a credit a call, as resumed
 
+    async def test_a_retry_is_saved_by_its_own_save_alone_and_a_refused_one_is_in_neither_trace(self):
+        # Three reads fail at once. The first retry's save waits until the other two wait to retry; a cancel is asked
+        # for once two retries are stored, so that the third retry's save is refused.
+        released, saves, failed = threading.Event(), [], []
+
+        class Store(agent_loop.SqliteStore):
+            def save(self, run_id, generation, state, records, events, end=None):
+                retries = [event["call_id"] for event in events if event["event"] == "retry"]
+                if retries and not any(saves):
+                    released.wait(60)  # the test sets it (a wide margin: a broken test fails, never hangs)
+                saved = super().save(run_id, generation, state, records, events, end)
+                saves.append(retries)
+                if sum(map(len, saves)) >= 2 and len(saves[-1]):
+                    self.cancel_run(run_id, by="ops")
+                return saved
+
+        async def read(n):
+            if n not in failed:
+                failed.append(n)
+                raise TemporaryError("busy")
+            return {"n": n}
+
+        registry = {"read": ToolSpec(1, True, True, parameters=self.READ, retries=1, backoff=(0.001, 0.002))}
+        with tempfile.TemporaryDirectory() as folder, Store(os.path.join(folder, "runs.db")) as store, \
+                unittest.mock.patch.object(agent_loop.random, "uniform", return_value=0.0):  # backoffs of 0 s
+            run = asyncio.create_task(run_agent(
+                scripted(calls(*(call(f"c{n}", "read", n=n) for n in range(3)))), registry=registry, store=store,
+                run_id="race", accept=never_accept, fixtures=PlainTools({"read": read}),
+                limits=dataclasses.replace(ROOMY, calls=6)))  # room for each call and a retry of each
+            await wait_until(lambda: len(failed) == 3)
+            for _ in range(200):  # the loop runs on until the other two retries wait for the first one's save
+                await asyncio.sleep(0)
+            released.set()
+            result = await run
+            stored = store.trace("race")
+        names = lambda trace: [(event["event"], event.get("call_id")) for event in trace]
+        self.assertEqual(result["status"], "cancelled")
+        self.assertEqual(names(stored), names(result["trace"]))  # the refused retry: in neither
+        self.assertEqual([len(retries) for retries in saves if retries], [1, 1])  # each retry saved by its own save
+        self.assertEqual([event["event"] for event in stored], ["decision", "retry", "retry", "observations", "stop"])
+
     async def test_a_bad_retries_or_backoff_is_refused_before_a_named_run_is_claimed(self):
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "runs.db")
@@ -7964,8 +8005,26 @@ class CatalogTests(RuntimeTestCase):
                 self.assertNotIn("orders_get", tools)  # nor its description or its schema
                 self.assertNotIn("Get one order", tools)
                 self.assertNotIn("^[A-Z][0-9]{0,8}$", tools)
-                replayed = create.requests[2][("messages", "input")[name == "responses"]]
-                self.assertIn("Get one order", json.dumps(replayed, ensure_ascii=False))  # its history keeps it
+                request = json.dumps(create.requests[2], ensure_ascii=False)  # what it replays too: its load
+                for said in ("orders_get", "Get one order", "^[A-Z][0-9]{0,8}$"):
+                    self.assertNotIn(said, request)
+                self.assertIn("Get one order", json.dumps(result["history"], ensure_ascii=False))  # the run's keeps it
+
+    async def test_a_tool_whose_grant_was_revoked_is_named_nowhere_in_the_next_request_of_each_bridge(self):
+        catalog, grants, functions = agent_loop.order_catalog()
+        result, _ = await agent_loop._catalog_run(catalog, grants, functions)  # searched, loaded with orders_get
+        history, now = copy.deepcopy(result["history"]), grants - {"shipments:read"}
+        self.assertIn("shipments_get", json.dumps(history))  # a candidate, a name loaded, a definition
+        for name, (make_model, options, reply_calls, reply_text) in BRIDGES.items():
+            with self.subTest(bridge=name):
+                create = Recorder(reply_text("done"))
+                model = make_model(create, "t", {}, catalog=catalog, grants=lambda: now, **options)
+                await model(result["history"])
+                request = json.dumps(create.requests, ensure_ascii=False)
+                for said in ("shipments_get", "Get the shipment of one order: its carrier and delivery status."):
+                    self.assertNotIn(said, request)
+                self.assertIn("Get one order", request)  # what the grants still hold is replayed as it was
+                self.assertEqual(result["history"], history)  # the run's own history unchanged
 
     def test_a_bridge_given_a_catalog_needs_the_runs_grants(self):
         catalog, grants, _ = agent_loop.order_catalog()
@@ -8151,6 +8210,25 @@ class CatalogTests(RuntimeTestCase):
                     for obs in observations(result)[:3]]
         self.assertEqual(refusals, [refusals[2]] * 3)  # as a name the catalog never had, byte for byte
         self.assertEqual(result["used"]["credits"], 3 * 3 + 3)  # three loads; the call never ran
+
+    async def test_a_search_in_a_run_never_lists_an_entry_its_load_would_answer_unknown_tool(self):
+        catalog, _, functions = agent_loop.order_catalog()
+        lookup = {"lookup": ToolSpec(1, True, True, parameters=ORDER)}
+
+        async def model(history):
+            if not history:  # added once the run has begun: one named as a registry tool, one with no function
+                catalog.add("lookup", ToolSpec(1, True, True, parameters=ORDER, description="The catalog's."),
+                            ("late",), "orders:read")
+                catalog.add("late_get", ToolSpec(1, True, True, parameters=ORDER, description="Added late."),
+                            ("late",), "orders:read")
+            return [calls(call("s", "search_tools", query="late order")), final("done")][len(history)]
+
+        result = await run_agent(model, registry=lookup, catalog=catalog, grants=ORDER_GRANTS, accept=any_answer,
+                                 fixtures=agent_loop.FunctionTools({**functions, "lookup": dict}), limits=ROOMY)
+        (found,) = observations(result)
+        self.assertEqual([told["name"] for told in found["data"]["candidates"]], ["orders_get"])
+        self.assertEqual([told["name"] for told in catalog.search("late order", ORDER_GRANTS)],  # the catalog's own
+                         ["late_get", "lookup", "orders_get"])
 
     async def test_a_name_of_the_registry_stays_the_registrys_in_a_run_and_in_a_request(self):
         catalog, grants, functions = agent_loop.order_catalog()
