@@ -4049,7 +4049,8 @@ class Catalog:
     def shown(self, history, grants):
         """history as a request replays it to a model: each search's candidates, each load's definitions and the names
         each load asked for, less the entries whose permission these grants do not hold now (a tool whose grant went
-        is named no more). The run's history, which the final check and the store keep, is left as it is."""
+        is named no more, but for a call the model made of it before, which stays with its output: a provider pairs
+        them). The run's history, which the final check and the store keep, is left as it is."""
         grants = _grants(grants)
 
         def seen(told):  # a name, a summary or a definition: False for an entry these grants may not use now
