@@ -8012,7 +8012,10 @@ class CatalogTests(RuntimeTestCase):
 
     async def test_a_tool_whose_grant_was_revoked_is_named_nowhere_in_the_next_request_of_each_bridge(self):
         catalog, grants, functions = agent_loop.order_catalog()
-        result, _ = await agent_loop._catalog_run(catalog, grants, functions)  # searched, loaded with orders_get
+        model = scripted(calls(call("s", "search_tools", query="查询 订单 状态")),
+                         calls(call("l", "load_tools", names=["orders_get", "shipments_get"])), final("done"))
+        result = await run_agent(model, registry={}, catalog=catalog, grants=grants, accept=any_answer,
+                                 fixtures=agent_loop.FunctionTools(functions), limits=ROOMY)  # searched, loaded
         history, now = copy.deepcopy(result["history"]), grants - {"shipments:read"}
         self.assertIn("shipments_get", json.dumps(history))  # a candidate, a name loaded, a definition
         for name, (make_model, options, reply_calls, reply_text) in BRIDGES.items():
