@@ -2099,15 +2099,16 @@ class _StoreThread:
     """A daemon thread that runs a store's calls one at a time, in the order they come: submit() gives a Future."""
 
     def __init__(self):
-        self.calls, self.stopped = queue.SimpleQueue(), False
+        self.calls, self.stopped, self.lock = queue.SimpleQueue(), False, threading.Lock()
         self.thread = threading.Thread(target=self._serve, name="agent_loop store", daemon=True)
         self.thread.start()
 
     def submit(self, function, *args):
-        if self.stopped:
-            raise RuntimeError("the store is closed")
         future = concurrent.futures.Future()
-        self.calls.put((future, function, args))
+        with self.lock:
+            if self.stopped:
+                raise RuntimeError("the store is closed")
+            self.calls.put((future, function, args))
         return future
 
     def _serve(self):
@@ -2115,9 +2116,10 @@ class _StoreThread:
             _fulfil(*call)
 
     def stop(self):
-        if not self.stopped:
-            self.stopped = True
-            self.calls.put(None)
+        with self.lock:  # a call submitted from another thread (a claim's) comes before the end, or is refused
+            if not self.stopped:
+                self.stopped = True
+                self.calls.put(None)
 
 
 def _fulfil(future, function, args):
@@ -3535,8 +3537,9 @@ class SqlStore(Store):
                     raise
                 if last:
                     raise JobError("busy") from None
-            self._unstall()
-            self._unstall_jobs()
+            with contextlib.suppress(self.error):  # not allowed to end it: the next try says busy
+                self._unstall()
+                self._unstall_jobs()
 
     def _owns(self, owner, job_id):
         return type(job_id) is int and 0 < job_id <= _MOST and type(owner) is str and self._sql(
@@ -3712,18 +3715,19 @@ _DIALECTS = {
         "skip_locked": " FOR UPDATE SKIP LOCKED",  # a run another claim has locked is not this claim's
         "jobs": "SELECT pg_advisory_xact_lock(4808)",  # one submit at a time: ids, keys and the queue's size
         # The sessions whose open transaction, older than _STALLED, holds the row of a run (or job) that no live
-        # lease holds (never leased, let go, or run out; the row's xmax is the holding transaction's id): ended, and
-        # waited for, a second at most. A live lease's holder saves in milliseconds; it is never ended.
+        # lease holds (the row's xmax is the holding transaction's id): ended, and waited for, a second at most. A
+        # lease that ran out, whatever the session does; a row never leased (a claim's, a cancel's), only while the
+        # session waits between statements: one frozen there, not one slow to commit. A live lease is never ended.
         "unstall": "SELECT pg_terminate_backend(l.pid, 1000) FROM agent_loop_runs r JOIN pg_locks l ON l.locktype = "
                    "'transactionid' AND l.transactionid = r.xmax AND l.granted JOIN pg_stat_activity a ON a.pid = "
-                   "l.pid WHERE r.status IS NULL AND (r.lease_until IS NULL OR r.lease_until <= %s) AND a.xact_start "
-                   "< clock_timestamp() - make_interval(secs => %s) AND l.pid <> pg_backend_pid() AND (%s::text IS "
-                   "NULL OR r.run_id = %s)",
+                   "l.pid WHERE r.status IS NULL AND (r.lease_until <= %s OR r.lease_until IS NULL AND a.state = 'idle "
+                   "in transaction') AND a.xact_start < clock_timestamp() - make_interval(secs => %s) AND l.pid <> "
+                   "pg_backend_pid() AND (%s::text IS NULL OR r.run_id = %s)",
         "unstall_jobs": "SELECT pg_terminate_backend(l.pid, 1000) FROM agent_loop_jobs j JOIN pg_locks l ON "
                         "l.locktype = 'transactionid' AND l.transactionid = j.xmax AND l.granted JOIN pg_stat_activity "
-                        "a ON a.pid = l.pid WHERE j.state IN ('queued', 'running', 'cancel_requested') AND "
-                        "(j.state = 'queued' OR j.lease_until <= %s) AND a.xact_start < clock_timestamp() - "
-                        "make_interval(secs => %s) AND l.pid <> pg_backend_pid()",
+                        "a ON a.pid = l.pid WHERE (j.state IN ('running', 'cancel_requested') AND j.lease_until <= %s "
+                        "OR j.state = 'queued' AND a.state = 'idle in transaction') AND a.xact_start < "
+                        "clock_timestamp() - make_interval(secs => %s) AND l.pid <> pg_backend_pid()",
     },
 }
 

@@ -7332,6 +7332,27 @@ class PostgresJobTests(OnPostgres, JobTests):
         holder.execute("ROLLBACK")
         self.assertEqual([store.status("r", job_id)["state"] for job_id in (1, 2)], ["running", "cancelled"])
 
+    def test_a_session_busy_in_a_long_statement_beside_a_queued_job_it_holds_is_never_ended(self):
+        store = self.store()
+        store.submit("ana", "k", "export", {})
+        holder, watcher = self.connect(), self.connect()
+        self.addCleanup(holder.close)
+        self.addCleanup(watcher.close)
+        holder.execute("BEGIN")
+        holder.execute("SELECT 1 FROM agent_loop_jobs WHERE id = 1 FOR UPDATE")  # a status, say, on a slow server
+        working = concurrent.futures.ThreadPoolExecutor(1)
+        self.addCleanup(working.shutdown)
+        slow = working.submit(lambda: holder.execute("SELECT pg_sleep(4)").fetchall())  # working, not frozen
+        end = time.monotonic() + 30
+        while not watcher.execute("SELECT 1 FROM pg_stat_activity WHERE state = 'active' AND query LIKE "
+                                  "'%pg_sleep(4)%' AND xact_start < clock_timestamp() - interval '1.5 s' AND pid <> "
+                                  "pg_backend_pid()").fetchall():
+            self.assertLess(time.monotonic(), end, "the slow statement never showed")
+            time.sleep(0.05)
+        self.assertIsNone(self.store().claim_job())  # it looks for stalled sessions: this one is working
+        self.assertEqual(slow.result(30), [("",)])  # and it went on
+        holder.execute("COMMIT")
+
     def test_a_claim_that_ends_a_backlog_of_expired_jobs_is_never_taken_for_a_stalled_one(self):
         now, ended_four = [0.0], threading.Event()
 
