@@ -2599,15 +2599,17 @@ class _Journal(Part):
         self._renew_later()
 
 
-def _cancellable(record, state, config):
-    """A saved run's last round (an empty one if it has none), its state and its tools' costs (name: cost), read
-    from their stored text for cancel_run; (None, None, None) for what a store does not write (a hand-edited one)."""
+def _cancellable(record, state, config, events):
+    """A saved run's last round (an empty one if it has none), its state, its tools' costs (name: cost) and its
+    trace, read from their stored text for cancel_run; None for what a store does not write (a hand-edited one)."""
     try:
         record = json.loads(record) if record else {"round": 0, "calls": [], "observations": []}
         state = {"writes": {}, **(json.loads(state) if state else _NOTHING_SAVED)}
         costs = {name: spec[0] for name, spec in (json.loads(config)["registry"] if config else {}).items()}
+        trace = [json.loads(body) for body in events]
     except (TypeError, ValueError, LookupError, AttributeError):
-        return None, None, None
+        return None
+
     def ints(*values):
         return all(type(value) is int for value in values)
 
@@ -2618,7 +2620,7 @@ def _cancellable(record, state, config):
             and type(state["writes"]) is dict and all(type(write) is dict for write in state["writes"].values())
             and type(state.get("used")) is dict and ints(*(state["used"].get(key) for key in _NOTHING_USED))
             and ints(*costs.values()))
-    return (record, state, costs) if fits else (None, None, None)
+    return (record, state, costs, trace) if fits else None
 
 
 def _retried(trace, record, cut):
@@ -3230,9 +3232,12 @@ class SqlStore(Store):
             self._cancel_jobs(run_id)
             last = self._sql("SELECT body FROM agent_loop_records WHERE run_id = ? ORDER BY round DESC LIMIT 1",
                              (run_id,)).fetchone()
-            record, state, costs = _cancellable(last and last[0], row[1], row[3])
-            if record is None:  # not what a store writes: the run's resume sets it aside, saying so
+            events = [body for body, in self._sql("SELECT body FROM agent_loop_events WHERE run_id = ? ORDER BY seq",
+                                                   (run_id,)).fetchall()]
+            saved = _cancellable(last and last[0], row[1], row[3], events)
+            if saved is None:  # not what a store writes: the run's resume sets it aside, saying so
                 raise ValueError(f"{run_id}: what the store holds for it is not a run this version saved")
+            record, state, costs, trace = saved
             cut = record["calls"][len(record["observations"]):]
             crashed = bool(cut) and row[2] != "approval"  # a crash cut the batch: any call of it may have started
             unknown = crashed and any(state["writes"].get(item["call_id"], {}).get("started") or
@@ -3244,8 +3249,6 @@ class SqlStore(Store):
                 self._sql("UPDATE agent_loop_runs SET cancel = COALESCE(cancel, ?) WHERE run_id = ?", (by, run_id))
                 return "cancel_requested"
             if crashed:  # charged as its resume would: each call once and each retry saved, at its saved cost
-                trace = [json.loads(body) for body, in self._sql("SELECT body FROM agent_loop_events WHERE run_id "
-                                                                 "= ? ORDER BY seq", (run_id,)).fetchall()]
                 charged, used = cut + _retried(trace, record, cut), state["used"]
                 state = {**state, "used": {**used, "calls": used["calls"] + len(charged), "credits": used["credits"] +
                                            sum(costs[item["name"]] for item in charged)}}
@@ -4181,13 +4184,9 @@ class _CatalogRun(Part):
         part = cls()
         part.catalog, part.grants, part.base, part.loaded, part.offered = catalog, grants, dict(run.registry), {}, False
         part.functions = tools  # what runs a loaded tool, asked again of each entry a load names (_CatalogRun.runs)
-        part.now = part._granted()
+        part.now = _granted(grants)
         run.registry.update(_CATALOG_SPECS)
         return part
-
-    def _granted(self):
-        """The grants as they stand: the set given, or what the function returns now (nothing, if it fails)."""
-        return _granted(self.grants)
 
     async def resume(self, run, ended):
         run.tools = _innermost(run.tools, partial(_CatalogTools, self))  # its two tools are the catalog's
@@ -4203,7 +4202,7 @@ class _CatalogRun(Part):
 
     async def offer(self, run, value):
         """The grants read again; the tools this run loaded, and the gate that checks each call of one."""
-        self.now, self.loaded, self.offered = self._granted(), _loaded(run.history), True
+        self.now, self.loaded, self.offered = _granted(self.grants), _loaded(run.history), True
         for told in self.loaded.values():  # what this run loaded, the catalog gave out (in this process or before)
             self.catalog._given(told)
         run.registry = await self.tools(run, {**self.base, **_CATALOG_SPECS}, run.history)

@@ -6550,7 +6550,7 @@ class SqliteLeaseTests(LeaseCase):
         cut = {"round": 1, "calls": [{"call_id": "a", "name": "t", "arguments": {}}], "observations": []}
         edits = [(None, None), ("config", '{"registry": {"t": 5}}'), ("config", '{"registry": {"t": ["x"]}}'),
                  ("state", "[]"), ("state", '{"used": {"rounds": "1"}}'), ("record", "[]"),
-                 ("record", '{"round": 1, "calls": [{"call_id": "a"}], "observations": []}')]
+                 ("record", '{"round": 1, "calls": [{"call_id": "a"}], "observations": []}'), ("event", "{")]
         for number, (column, text) in enumerate(edits):
             run_id = f"r{number}"
             now[0] = 1.0
@@ -6558,6 +6558,8 @@ class SqliteLeaseTests(LeaseCase):
             with contextlib.closing(sqlite3.connect(self.where)) as db, db:
                 if column == "record":
                     db.execute("UPDATE agent_loop_records SET body = ? WHERE run_id = ?", (text, run_id))
+                elif column == "event":
+                    db.execute("INSERT INTO agent_loop_events VALUES (?, 1, ?)", (run_id, text))
                 elif column:
                     db.execute(f"UPDATE agent_loop_runs SET {column} = ? WHERE run_id = ?", (text, run_id))
             now[0] = 100.0  # its lease ran out
@@ -6569,7 +6571,9 @@ class SqliteLeaseTests(LeaseCase):
                 store.cancel_run(run_id)
             self.assertEqual(str(refused.exception), f"{run_id}: what the store holds for it is not a run this "
                                                      "version saved")
-            self.assertIsNone(store.load(run_id)["status"])
+            with contextlib.closing(sqlite3.connect(self.where)) as db:  # nothing changed: it has not ended
+                status = db.execute("SELECT status FROM agent_loop_runs WHERE run_id = ?", (run_id,)).fetchall()
+            self.assertEqual(status, [(None,)])
 
     def test_a_store_on_a_read_only_mount_is_called_read_only_not_a_file_that_is_no_store(self):
         mount = os.path.join(self.folder, "mount")
