@@ -5215,7 +5215,7 @@ def _show_store_cost(number, figures, cell, where="SQLite, synchronous=FULL"):
         print(f"   n={n:<5} per round {cell(**spread)}")
 
 
-BENCH_POSTGRES = []  # a place() for bench's PostgreSQL figures: `python3 test_agent_loop.py bench` gives one
+BENCH_POSTGRES = []  # a place() for bench's PostgreSQL figures: `python3 tests/servers.py bench` gives one
 
 
 async def _tick_once(history):
@@ -5290,7 +5290,7 @@ async def _postgres_store_cost(quick):
 
 def _show_postgres_store_cost(number, figures, cell):
     if figures is None:
-        print(f"\n{number}. The store on PostgreSQL: not measured here (python3 test_agent_loop.py bench starts a "
+        print(f"\n{number}. The store on PostgreSQL: not measured here (python3 tests/servers.py bench starts a "
               "server of its own, and measures it)")
         return
     _show_store_cost(number, figures, cell, "PostgreSQL, synchronous_commit=on")

@@ -1,0 +1,100 @@
+"""The README: what it shows is what the module does.
+"""
+
+import asyncio
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import re
+import shutil
+import sqlite3
+import tempfile
+
+import agent_loop
+from agent_loop import Fixtures, Limits, run_agent
+from test_agent_loop import code_blocks, HERE, readme_section, RuntimeTestCase
+
+
+# The README's examples, and the result-ownership experiment (result_ownership.py, verify_ownership.py,
+# expected.json)
+
+
+class ReadmeTests(RuntimeTestCase):
+    """The README: its shapes of a run come from real runs, and its code blocks run as written."""
+
+    async def test_the_shapes_are_those_of_real_runs(self):
+        retry = await run_agent(fixtures=Fixtures(failures={"north": ["temporary"]}))
+        scenario, _ = await agent_loop.run_scenario("invalid_arguments")
+        blocks = [json.loads(block) for block in code_blocks(readme_section("How a run ends"), "json")]
+        self.assertEqual(blocks, [retry["history"][0], scenario])
+
+    def test_the_size_table_is_counted_from_the_modules_banners(self):
+        with open(os.path.join(HERE, "agent_loop.py"), encoding="utf-8") as file:
+            lines = file.read().splitlines()
+        starts = {int(m[1]): i for i, line in enumerate(lines) if (m := re.match(r"# PART (\d+):", line))}
+        above, whole = [], []
+        for n in range(1, 6):
+            tail = next(i for i in range(starts[n], starts[n + 1]) if lines[i].startswith(f"# PART {n}, hard cases: "))
+            above.append(tail - starts[n])
+            whole.append(starts[n + 1] - starts[n])
+        table = readme_section("The five parts, beside the article")
+        shown = {row[0]: [int(cell.replace(",", "")) for cell in row[1:]]
+                 for row in re.findall(r"^\| ([^|]+?) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| "
+                                       r"([\d,]+) \|$", table, re.M)}
+        self.assertEqual(shown, {"the article": [73, 83, 53, 123, 14, 346], "here, above the tail": [*above, sum(above)],
+                                 "here, with the tail": [*whole, sum(whole)]})
+        self.assertEqual(sum(whole), starts[6] - starts[1])
+
+    def test_the_limits_table_gives_every_field_and_its_default(self):
+        rows = re.findall(r"^\| `(\w+)` \| ([\d.]+) \|", readme_section("Copy it into your own prototype"), re.M)
+        self.assertEqual([(name, float(default)) for name, default in rows],
+                         [(field.name, float(field.default)) for field in dataclasses.fields(Limits)])
+
+    async def test_the_pools_worker_goes_on_past_a_busy_database_and_the_loop_goes_on_while_it_asks(self):
+        (example,) = code_blocks(readme_section("Many workers, one database"), "python")
+        folder = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, folder)
+        where = os.path.join(folder, "runs.db")
+        with agent_loop.SqliteStore(where) as store:
+            store.add("a")
+            store.add("b")
+        holder = sqlite3.connect(where, isolation_level=None, check_same_thread=False)
+        self.addCleanup(holder.close)
+        ticks, answers = [0], []
+
+        class SqlStore(agent_loop.SqlStore):  # the README's, watched: each claim's answer, and if the loop went on
+            def claim_next(self):
+                if not answers:
+                    holder.execute("BEGIN IMMEDIATE")  # another writer, before the first claim: the database is busy
+                before = ticks[0]
+                answer = super().claim_next()
+                answers.append((answer, ticks[0] > before))
+                if holder.in_transaction:
+                    holder.execute("ROLLBACK")  # the busy spell ends once a claim has met it
+                return answer
+
+        async def tick():
+            while True:
+                ticks[0] += 1
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.create_task(tick())
+        namespace = {"SqlStore": SqlStore, "run_agent": run_agent, "asyncio": asyncio}
+        exec(compile(example, "README.md", "exec"), namespace)
+        connect = lambda: sqlite3.connect(where, isolation_level=None, timeout=0.5, check_same_thread=False)
+        await namespace["worker"](connect, agent_loop.fake_model, Fixtures(delays={}), None)
+        ticker.cancel()
+        self.assertEqual(answers[0], (None, True))  # busy: None, and the loop ticked while the claim waited
+        with agent_loop.SqliteStore(where) as store:
+            self.assertEqual([store.load(run_id)["status"] for run_id in "ab"], ["completed", "completed"])
+
+    def test_the_own_prototype_example_runs_as_written(self):
+        example = [block for block in code_blocks(readme_section("Copy it into your own prototype"), "python")
+                   if "def check(answer, history)" in block]
+        self.assertEqual(len(example), 1)
+        printed = re.search(r"print\(.*\)  # (.*)", example[0]).group(1)
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            exec(compile(example[0], "README.md", "exec"), {"__name__": "readme_example"})
+        self.assertEqual(out.getvalue(), printed + "\n")
