@@ -17,6 +17,7 @@ from agent_loop import call, fake_model, Fixtures, Limits, run_agent, scripted, 
 from test_agent_loop import any_answer, calls, read_file, ROOMY, SLOW_ROOMY
 from tests.support import JOB_LEASE, JOB_RUN_OPTIONS
 from tests.servers import mcp_server
+from examples.orders import _catalog_accepted, _catalog_model, JOB_ORDER_TOOLS, order_accepted, order_catalog, order_model, ORDER_TOOLS, OrderDesk, receipt_accepted, receipt_model
 
 
 def crashing_run(path, run_id, crash, log):
@@ -59,7 +60,7 @@ def writing_run(store_path, service, ready, crash):
         db.execute("CREATE TABLE IF NOT EXISTS asked (key TEXT)")
         return db
 
-    class Desk(agent_loop.OrderDesk):
+    class Desk(OrderDesk):
         async def invoke(self, call):
             if call["name"] != "place_order":
                 return await super().invoke(call)
@@ -77,8 +78,8 @@ def writing_run(store_path, service, ready, crash):
 
     async def main():
         with agent_loop.SqliteStore(store_path) as store:
-            result = await run_agent(agent_loop.order_model, registry=agent_loop.ORDER_TOOLS,
-                                     accept=agent_loop.order_accepted, fixtures=Desk(delays={}), store=store,
+            result = await run_agent(order_model, registry=ORDER_TOOLS,
+                                     accept=order_accepted, fixtures=Desk(delays={}), store=store,
                                      run_id="order", approve=lambda write: "approve",
                                      limits=Limits(tool_seconds=600, total_seconds=600))
         print(json.dumps(result))
@@ -107,7 +108,7 @@ def pool_worker(kind, where, name, crash, go=""):
 
     service, writes = connect(), []
 
-    class Desk(agent_loop.OrderDesk):  # the order service: a table of the same database, every effect of a key a row
+    class Desk(OrderDesk):  # the order service: a table of the same database, every effect of a key a row
         def sql(self, statement, parameters):
             cursor = service.cursor()
             cursor.execute(statement.replace("?", "?" if kind == "sqlite" else "%s"), parameters)
@@ -137,7 +138,7 @@ def pool_worker(kind, where, name, crash, go=""):
                     continue
                 say(claimed=run_id)
                 result = await run_agent(
-                    agent_loop.order_model, registry=agent_loop.ORDER_TOOLS, accept=agent_loop.order_accepted,
+                    order_model, registry=ORDER_TOOLS, accept=order_accepted,
                     fixtures=Desk(delays={"north": 0.01, "south": 0.01}), store=store, run_id=run_id,
                     approve=lambda write: "approve", limits=Limits(tool_seconds=30, total_seconds=120))
                 say(ended=run_id, status=result["status"])
@@ -209,12 +210,12 @@ def catalog_run(store_path, ready, where):
         time.sleep(600)
 
     async def main():
-        catalog, grants, functions = agent_loop.order_catalog()
-        model = agent_loop._catalog_model(crash_here if where == "decision" else lambda: None)
+        catalog, grants, functions = order_catalog()
+        model = _catalog_model(crash_here if where == "decision" else lambda: None)
         if where == "call":
             functions = {**functions, "orders_get": crash_here}
         with agent_loop.SqliteStore(store_path) as store:
-            await run_agent(model, registry={}, catalog=catalog, grants=grants, accept=agent_loop._catalog_accepted,
+            await run_agent(model, registry={}, catalog=catalog, grants=grants, accept=_catalog_accepted,
                             store=store, run_id="chat", fixtures=agent_loop.FunctionTools(functions),
                             limits=SLOW_ROOMY)
 
@@ -316,8 +317,8 @@ def job_run(kind, where, ready):
     """The order as a job, run by name, killed once its job was submitted (hangs_once_submitted)."""
     async def main():
         with store_of(kind, where, hangs_once_submitted(ready)) as store:
-            await run_agent(agent_loop.receipt_model, registry=agent_loop.JOB_ORDER_TOOLS,
-                            accept=agent_loop.receipt_accepted, fixtures=Fixtures(delays={}), store=store,
+            await run_agent(receipt_model, registry=JOB_ORDER_TOOLS,
+                            accept=receipt_accepted, fixtures=Fixtures(delays={}), store=store,
                             run_id="order", approve=lambda write: "approve", limits=ROOMY)
 
     asyncio.run(main())
@@ -388,8 +389,8 @@ def job_pool_worker(kind, where, name, role, go=""):
                     await asyncio.sleep(0.05)
                     continue
                 say(claimed=run_id)
-                await run_agent(agent_loop.receipt_model, registry=agent_loop.JOB_ORDER_TOOLS,
-                                accept=agent_loop.receipt_accepted, fixtures=Fixtures(delays={}), store=store,
+                await run_agent(receipt_model, registry=JOB_ORDER_TOOLS,
+                                accept=receipt_accepted, fixtures=Fixtures(delays={}), store=store,
                                 run_id=run_id, approve=lambda write: "approve",  # room for a batch a crash cut
                                 limits=dataclasses.replace(SLOW_ROOMY, calls=12, credits=60))
 

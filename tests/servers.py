@@ -125,6 +125,7 @@ def bench_beside_postgres(argv):
     """python3 tests/servers.py bench [--quick] [--json]: agent_loop's bench, on a PostgreSQL server of its own
     too (fsync on, as a server that keeps what it commits), started and removed as the tests' is."""
     import psycopg
+    from benchmarks import bench  # what it runs: the bench, beside the project's module
     server, schemas = ThrowawayPostgres(durable=True), itertools.count()
 
     def place():
@@ -134,8 +135,8 @@ def bench_beside_postgres(argv):
         return functools.partial(postgres_connection, server.conninfo, schema)
 
     try:
-        agent_loop.BENCH_POSTGRES.append(place)
-        return agent_loop.main(["bench", *argv])
+        bench.BENCH_POSTGRES.append(place)
+        return bench.main(argv)
     finally:
         server.stop()
 

@@ -2,6 +2,7 @@
 how a child process is started.
 """
 
+import concurrent.futures
 import copy
 import dataclasses
 import importlib
@@ -322,3 +323,17 @@ def run_in_a_process(name, *args, kill_when=None):
     if not os.path.exists(kill_when):
         raise AssertionError("the crash never came")
     return None
+
+
+def run_script(name, *args):
+    """Run examples/NAME.py (or benchmarks/bench.py, for "bench") with args, as a reader does, from the root."""
+    flags = ["-O"] if sys.flags.optimize else []
+    path = os.path.join(HERE, "benchmarks" if name == "bench" else "examples", f"{name}.py")
+    return subprocess.run([sys.executable, *flags, path, *args], capture_output=True, text=True, timeout=120,
+                          check=False, cwd=HERE)
+
+
+def run_scripts(*argvs):
+    """run_script for each argv, the scripts side by side: their waits overlap."""
+    with concurrent.futures.ThreadPoolExecutor(len(argvs)) as pool:
+        return list(pool.map(lambda argv: run_script(*argv), argvs))

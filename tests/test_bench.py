@@ -13,6 +13,8 @@ import unittest.mock
 
 import agent_loop
 from test_agent_loop import HERE, run_command
+from benchmarks import bench
+from benchmarks.bench import _growth, _store_cost, BENCH_PARTS
 
 
 QUICK_BENCH = {}  # the quick bench's run, started when the whole suite loads: it is mostly waits
@@ -20,7 +22,7 @@ QUICK_BENCH = {}  # the quick bench's run, started when the whole suite loads: i
 
 def start_the_quick_bench():
     flags = ["-O"] if sys.flags.optimize else []
-    command = [sys.executable, *flags, os.path.join(HERE, "agent_loop.py"), "bench", "--quick", "--json"]
+    command = [sys.executable, *flags, os.path.join(HERE, "benchmarks", "bench.py"), "--quick", "--json"]
     QUICK_BENCH["process"] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -38,7 +40,7 @@ class BenchTests(unittest.TestCase):
 
     def test_help_lists_the_commands_of_the_whole_module(self):
         done = run_command("--help")
-        self.assertEqual((done.returncode, list(agent_loop.every_command())), (0, ["demo", "scenarios", "bench", "executor", "catalog", "jobs", "store"]))
+        self.assertEqual((done.returncode, list(agent_loop.every_command())), (0, ["demo", "store"]))
         for command in agent_loop.every_command():
             self.assertIn(f"    {command} ", done.stdout)
 
@@ -50,7 +52,7 @@ class BenchTests(unittest.TestCase):
         figures = json.loads(stdout)
         self.assertEqual(list(figures)[:7], ["python", "cores", "repeats", "parallel_efficiency", "overhead",
                                              "limit_overshoot", "growth"])  # then what later parts measure
-        self.assertEqual(list(figures)[7:], [name for name, _, _ in agent_loop.BENCH_PARTS])
+        self.assertEqual(list(figures)[7:], [name for name, _, _ in BENCH_PARTS])
         self.assertEqual(figures["python"], platform.python_version())
         self.assertEqual(sorted(figures["parallel_efficiency"]), ["1", "2", "4"])
         self.assertEqual(sorted(figures["overhead"]), ["call_us", "round_us"])
@@ -87,7 +89,7 @@ class BenchTests(unittest.TestCase):
         self.assertTrue(all(math.isfinite(value) for value in figures["retry_us"].values()))
 
     def test_the_bench_measures_the_stores_cost_per_round_at_each_length(self):
-        figures = asyncio.run(agent_loop._store_cost(quick=True))
+        figures = asyncio.run(_store_cost(quick=True))
         self.assertEqual(list(figures), ["10", "100"])
         for spread in figures.values():  # a time, not a speed: positive and finite, in order
             self.assertTrue(0 < spread["min"] <= spread["median"] <= spread["max"] < math.inf, spread)
@@ -102,7 +104,7 @@ class BenchTests(unittest.TestCase):
                 copied.append(len(value))
             return real_copy(value, *args)
 
-        with unittest.mock.patch.object(agent_loop, "_copy", spy):
-            figures = asyncio.run(agent_loop._growth((10,), samples=3))
+        with unittest.mock.patch.object(agent_loop, "_copy", spy), unittest.mock.patch.object(bench, "_copy", spy):
+            figures = asyncio.run(_growth((10,), samples=3))
         self.assertEqual(copied, [10] * 4)  # the model's copy in round 11, then the floor's three
         self.assertEqual(sorted(figures["10"]), ["copy_ms", "round_ms"])

@@ -17,6 +17,7 @@ from test_agent_loop import (
     any_answer, calls, errors, final, observations, PlainTools, ROOMY, RuntimeTestCase, SLOW_ROOMY,
 )
 from tests.support import BRIDGES, Recorder, run_in_a_process, utf8_json
+from examples.orders import _catalog_accepted, _catalog_model, _raised_version, order_catalog
 
 
 # PART 13: three hundred tools: a catalog that finds what an identity may use, loads definitions whole under a byte
@@ -142,7 +143,7 @@ class CatalogTests(RuntimeTestCase):
         self.assertEqual(catalog.authorize("orders_got", v1, {"orders:read"}), "unknown_tool")
 
     async def catalog_run(self, model, catalog=None, grants=ORDER_GRANTS, **options):
-        fixture, _, functions = agent_loop.order_catalog()
+        fixture, _, functions = order_catalog()
         started = []
 
         def orders_get(order_id):
@@ -157,7 +158,7 @@ class CatalogTests(RuntimeTestCase):
         return result, started
 
     async def test_a_model_searches_loads_and_calls_a_tool_through_function_tools_and_completes(self):
-        result, started = await self.catalog_run(agent_loop._catalog_model(), accept=agent_loop._catalog_accepted)
+        result, started = await self.catalog_run(_catalog_model(), accept=_catalog_accepted)
         self.assertEqual((result["status"], result["answer"], result["used"], started),
                          ("completed", {"order_id": "A", "paid": True}, {"rounds": 4, "calls": 3, "credits": 15}, ["A"]))
         search, load, order = observations(result)
@@ -174,20 +175,20 @@ class CatalogTests(RuntimeTestCase):
 
     async def test_a_revoked_grant_ends_the_next_call_denied_and_its_tool_never_starts(self):
         granted = set(ORDER_GRANTS)
-        model = agent_loop._catalog_model(lambda: granted.discard("orders:read"))
+        model = _catalog_model(lambda: granted.discard("orders:read"))
         result, started = await self.catalog_run(model, grants=lambda: granted)
         self.assertEqual((result["status"], result["trace"][-1]["reason"], started),
                          ("denied", "the grant for the tool is gone", []))
         self.assertEqual(result["used"], {"rounds": 3, "calls": 2, "credits": 11})
 
     async def test_a_raised_version_ends_the_next_call_stale_definition(self):
-        catalog, _, _ = agent_loop.order_catalog()
-        model = agent_loop._catalog_model(lambda: agent_loop._raised_version(catalog, None))
+        catalog, _, _ = order_catalog()
+        model = _catalog_model(lambda: _raised_version(catalog, None))
         result, started = await self.catalog_run(model, catalog)
         self.assertEqual((result["status"], result["trace"][-1]["name"], started), ("stale_definition", "orders_get", []))
 
     async def test_observed_the_gates_refusals_are_observations_and_the_model_may_load_again(self):
-        catalog, _, _ = agent_loop.order_catalog()
+        catalog, _, _ = order_catalog()
         bumped = []
 
         async def model(history):
@@ -197,7 +198,7 @@ class CatalogTests(RuntimeTestCase):
             if number == 2:
                 return calls(call("l2", "load_tools", names=["orders_get"]))
             if number == 3:
-                agent_loop._raised_version(catalog, None)
+                _raised_version(catalog, None)
                 bumped.append(True)
                 return calls(call("c3", "orders_get", order_id="A"))  # stale_definition
             if number == 4:
@@ -255,7 +256,7 @@ class CatalogTests(RuntimeTestCase):
                 await self.assertRefusedBeforeTheModelIsAsked(message, **options)
 
     async def test_a_hidden_tool_never_appears_in_a_search_a_load_an_error_or_a_request_a_bridge_sends(self):
-        catalog, grants, functions = agent_loop.order_catalog()
+        catalog, grants, functions = order_catalog()
         for name, (make_model, options, reply_calls, reply_text) in BRIDGES.items():
             with self.subTest(bridge=name):
                 create = Recorder(reply_calls(("r1", "search_tools", {"query": "退款 订单 查询 状态 refund"})),
@@ -280,7 +281,7 @@ class CatalogTests(RuntimeTestCase):
                 self.assertNotIn("Refund one order", json.dumps(create.requests, ensure_ascii=False))
 
     async def test_the_bridges_offer_the_registry_the_catalog_tools_and_what_the_run_loaded_nothing_else(self):
-        catalog, grants, functions = agent_loop.order_catalog()
+        catalog, grants, functions = order_catalog()
         lookup = {"lookup": ToolSpec(1, True, True, parameters=ORDER, description="Look an order up.")}
         for name, (make_model, options, reply_calls, reply_text) in BRIDGES.items():
             with self.subTest(bridge=name):
@@ -298,7 +299,7 @@ class CatalogTests(RuntimeTestCase):
                 self.assertTrue(all("catalog" not in request and "grants" not in request for request in create.requests))
 
     async def test_a_tool_whose_grant_was_revoked_is_offered_in_no_request_a_bridge_sends_after(self):
-        catalog, grants, functions = agent_loop.order_catalog()
+        catalog, grants, functions = order_catalog()
         for name, (make_model, options, reply_calls, reply_text) in BRIDGES.items():
             with self.subTest(bridge=name):
                 granted = set(grants)
@@ -328,7 +329,7 @@ class CatalogTests(RuntimeTestCase):
                 self.assertIn("Get one order", json.dumps(result["history"], ensure_ascii=False))  # the run's keeps it
 
     async def test_a_tool_whose_grant_was_revoked_is_named_nowhere_in_the_next_request_of_each_bridge(self):
-        catalog, grants, functions = agent_loop.order_catalog()
+        catalog, grants, functions = order_catalog()
         model = scripted(calls(call("s", "search_tools", query="查询 订单 状态")),
                          calls(call("l", "load_tools", names=["orders_get", "shipments_get"])), final("done"))
         result = await run_agent(model, registry={}, catalog=catalog, grants=grants, accept=any_answer,
@@ -347,7 +348,7 @@ class CatalogTests(RuntimeTestCase):
                 self.assertEqual(result["history"], history)  # the run's own history unchanged
 
     def test_a_bridge_given_a_catalog_needs_the_runs_grants(self):
-        catalog, grants, _ = agent_loop.order_catalog()
+        catalog, grants, _ = order_catalog()
         for name, (make_model, options, _, _) in BRIDGES.items():
             with self.subTest(bridge=name):
                 for given, message in ((dict(catalog=catalog), "grants: a bridge given a catalog needs the run's grants too"),
@@ -360,7 +361,7 @@ class CatalogTests(RuntimeTestCase):
     async def test_a_write_paused_for_approval_meets_the_gate_again_when_it_is_approved(self):
         for change in ("revoked", "raised"):
             with self.subTest(change=change):
-                catalog, grants, functions = agent_loop.order_catalog()
+                catalog, grants, functions = order_catalog()
                 granted, applied = grants | {"refunds:write"}, []
                 functions["refunds_create"] = lambda order_id, idempotency_key: applied.append(order_id) or {}
                 model = scripted(calls(call("l", "load_tools", names=["refunds_create"])),
@@ -380,7 +381,7 @@ class CatalogTests(RuntimeTestCase):
                                  ("denied" if change == "revoked" else "stale_definition", []))
 
     async def test_a_run_refused_after_parts_joined_is_a_value_error_and_lets_its_claim_go(self):
-        catalog, grants, functions = agent_loop.order_catalog()
+        catalog, grants, functions = order_catalog()
         read = {"read": ToolSpec(1, True, True, parameters=ORDER, retries=1)}
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "runs.db")
@@ -397,13 +398,13 @@ class CatalogTests(RuntimeTestCase):
         with tempfile.TemporaryDirectory() as folder:
             path, ready = os.path.join(folder, "runs.db"), os.path.join(folder, "ready")
             run_in_a_process("catalog_run", path, ready, "decision", kill_when=ready)
-            fixture, grants, functions = agent_loop.order_catalog()
+            fixture, grants, functions = order_catalog()
             catalog = agent_loop.Catalog()  # a new process's: the entries as they stand now, never version 1
             for name, entry in fixture.entries.items():
                 catalog.add(name, entry.spec, entry.keywords, entry.permission, 2 if name == "orders_get" else 1)
             with agent_loop.SqliteStore(path) as store:
-                result = await run_agent(agent_loop._catalog_model(), registry={}, catalog=catalog, grants=grants,
-                                         accept=agent_loop._catalog_accepted, store=store, run_id="chat",
+                result = await run_agent(_catalog_model(), registry={}, catalog=catalog, grants=grants,
+                                         accept=_catalog_accepted, store=store, run_id="chat",
                                          fixtures=agent_loop.FunctionTools(functions), limits=SLOW_ROOMY)
         self.assertEqual((result["status"], result["trace"][-1]["name"]), ("stale_definition", "orders_get"))
 
@@ -411,12 +412,12 @@ class CatalogTests(RuntimeTestCase):
         with tempfile.TemporaryDirectory() as folder:
             path, ready = os.path.join(folder, "runs.db"), os.path.join(folder, "ready")
             run_in_a_process("catalog_run", path, ready, "call", kill_when=ready)
-            catalog, grants, functions = agent_loop.order_catalog()
+            catalog, grants, functions = order_catalog()
             entry = catalog.entries["orders_get"]
             catalog.add("orders_get", dataclasses.replace(entry.spec, cost=3), entry.keywords, entry.permission, 2)
             with agent_loop.SqliteStore(path) as store:
-                result = await run_agent(agent_loop._catalog_model(), registry={}, catalog=catalog, grants=grants,
-                                         accept=agent_loop._catalog_accepted, store=store, run_id="chat",
+                result = await run_agent(_catalog_model(), registry={}, catalog=catalog, grants=grants,
+                                         accept=_catalog_accepted, store=store, run_id="chat",
                                          fixtures=agent_loop.FunctionTools(functions), limits=SLOW_ROOMY)
         interrupted = [event for event in result["trace"] if event["event"] == "observations"][2]
         self.assertEqual(interrupted["credits"], 12)  # 3 + 1, 3 + 1, 3 + the cut call at version 1's cost: 1, not 3
@@ -426,17 +427,17 @@ class CatalogTests(RuntimeTestCase):
         with tempfile.TemporaryDirectory() as folder:
             path, ready = os.path.join(folder, "runs.db"), os.path.join(folder, "ready")
             run_in_a_process("catalog_run", path, ready, "call", kill_when=ready)
-            catalog, grants, functions = agent_loop.order_catalog()
+            catalog, grants, functions = order_catalog()
             with agent_loop.SqliteStore(path, clock=lambda: time.time() + 60) as store:  # its lease ran out
                 asked = store.cancel_run("chat", by="ops")  # the cut call's cost is the catalog's: not the store's
-                result = await run_agent(agent_loop._catalog_model(), registry={}, catalog=catalog, grants=grants,
-                                         accept=agent_loop._catalog_accepted, store=store, run_id="chat",
+                result = await run_agent(_catalog_model(), registry={}, catalog=catalog, grants=grants,
+                                         accept=_catalog_accepted, store=store, run_id="chat",
                                          fixtures=agent_loop.FunctionTools(functions), limits=SLOW_ROOMY)
         self.assertEqual((asked, result["status"], result["trace"][-1]["by"]), ("cancel_requested", "cancelled", "ops"))
         self.assertEqual(result["used"]["credits"], 12)  # 3 + 1, 3 + 1, 3 + the cut call at its loaded cost, 1
 
     async def test_a_load_a_store_edited_by_hand_forged_loads_nothing_and_raises_nothing(self):
-        catalog, grants, functions = agent_loop.order_catalog()
+        catalog, grants, functions = order_catalog()
         real = catalog.load(["orders_get"], grants)["tools"][0]
         forged = [{**real, "digest": []}, {**real, "name": ["orders_get"]}, {**real, "description": "Anything."},
                   {**real, "version": "1"}, "orders_get", None]
@@ -478,7 +479,7 @@ class CatalogTests(RuntimeTestCase):
         self.assertEqual(catalog.entries, {})
 
     async def test_the_tools_object_is_checked_against_every_entry_before_the_model_is_asked(self):
-        catalog, grants, functions = agent_loop.order_catalog()
+        catalog, grants, functions = order_catalog()
         without = {name: function for name, function in functions.items() if name != "archive_001_get"}
         await self.assertRefusedBeforeTheModelIsAsked(
             "archive_001_get: FunctionTools has no function for it", registry={}, catalog=catalog, grants=grants,
@@ -489,7 +490,7 @@ class CatalogTests(RuntimeTestCase):
             catalog=catalog, grants=grants, accept=any_answer, fixtures=agent_loop.FunctionTools(keyless))
 
     async def test_a_tools_object_of_yours_with_an_inner_is_used_as_it_is(self):
-        catalog, grants, functions = agent_loop.order_catalog()
+        catalog, grants, functions = order_catalog()
 
         class Counted:
             def __init__(self):
@@ -500,8 +501,8 @@ class CatalogTests(RuntimeTestCase):
                 return await self.inner.invoke(call)
 
         tools = Counted()
-        result = await run_agent(agent_loop._catalog_model(), registry={}, catalog=catalog, grants=grants,
-                                 accept=agent_loop._catalog_accepted, fixtures=tools, limits=ROOMY)
+        result = await run_agent(_catalog_model(), registry={}, catalog=catalog, grants=grants,
+                                 accept=_catalog_accepted, fixtures=tools, limits=ROOMY)
         self.assertEqual((result["status"], tools.count), ("completed", 1))  # orders_get; search and load: the catalog's
 
     def test_the_gate_names_nothing_the_catalog_never_gave_out(self):
@@ -512,7 +513,7 @@ class CatalogTests(RuntimeTestCase):
         self.assertEqual(catalog.authorize("refunds_create", hidden, ORDER_GRANTS), "denied")
 
     async def test_an_entry_added_mid_run_with_no_function_is_an_unknown_tool_to_a_load_never_a_tool_exception(self):
-        catalog, _, functions = agent_loop.order_catalog()
+        catalog, _, functions = order_catalog()
 
         async def model(history):
             if not history:  # added once the run has begun: the checks made as the catalog joined never saw it
@@ -532,7 +533,7 @@ class CatalogTests(RuntimeTestCase):
         self.assertEqual(result["used"]["credits"], 3 * 3 + 3)  # three loads; the call never ran
 
     async def test_a_search_in_a_run_never_lists_an_entry_its_load_would_answer_unknown_tool(self):
-        catalog, _, functions = agent_loop.order_catalog()
+        catalog, _, functions = order_catalog()
         lookup = {"lookup": ToolSpec(1, True, True, parameters=ORDER)}
 
         async def model(history):
@@ -551,7 +552,7 @@ class CatalogTests(RuntimeTestCase):
                          ["late_get", "lookup", "orders_get"])
 
     async def test_a_name_of_the_registry_stays_the_registrys_in_a_run_and_in_a_request(self):
-        catalog, grants, functions = agent_loop.order_catalog()
+        catalog, grants, functions = order_catalog()
         lookup = {"lookup": ToolSpec(1, True, True, parameters=ORDER, description="The registry's own.")}
         for name, (make_model, options, reply_calls, reply_text) in BRIDGES.items():
             with self.subTest(bridge=name):
@@ -591,7 +592,7 @@ class CatalogTests(RuntimeTestCase):
                 self.assertNotIn("The catalog's.", json.dumps(create.requests, ensure_ascii=False))
 
     async def test_a_paused_batch_refused_at_the_gate_on_its_resume_is_observed_when_refusals_are(self):
-        catalog, grants, functions = agent_loop.order_catalog()
+        catalog, grants, functions = order_catalog()
         granted, placed = set(grants), []
         registry = {"save": ToolSpec(1, False, False, parameters=ORDER)}
         tools = agent_loop.FunctionTools({**functions, "save": lambda order_id, idempotency_key: placed.append(1) or {}})
@@ -611,14 +612,14 @@ class CatalogTests(RuntimeTestCase):
         with tempfile.TemporaryDirectory() as folder:
             path, ready = os.path.join(folder, "runs.db"), os.path.join(folder, "ready")
             run_in_a_process("catalog_run", path, ready, "call", kill_when=ready)  # cut while orders_get runs
-            fixture, grants, functions = agent_loop.order_catalog()
+            fixture, grants, functions = order_catalog()
             catalog = agent_loop.Catalog()
             for name, entry in fixture.entries.items():
                 if name != "orders_get":
                     catalog.add(name, entry.spec, entry.keywords, entry.permission)
             with agent_loop.SqliteStore(path) as store:
-                result = await run_agent(agent_loop._catalog_model(), registry={}, catalog=catalog, grants=grants,
-                                         accept=agent_loop._catalog_accepted, store=store, run_id="chat",
+                result = await run_agent(_catalog_model(), registry={}, catalog=catalog, grants=grants,
+                                         accept=_catalog_accepted, store=store, run_id="chat",
                                          fixtures=agent_loop.FunctionTools(functions), limits=SLOW_ROOMY)
         self.assertEqual((result["status"], errors(result)), ("unknown_tool", ["interrupted"]))
 
@@ -627,12 +628,12 @@ class CatalogTests(RuntimeTestCase):
             with self.subTest(where=where, change=change), tempfile.TemporaryDirectory() as folder:
                 path, ready = os.path.join(folder, "runs.db"), os.path.join(folder, "ready")
                 run_in_a_process("catalog_run", path, ready, where, kill_when=ready)
-                catalog, grants, functions = agent_loop.order_catalog()
+                catalog, grants, functions = order_catalog()
                 if change == "version":
-                    agent_loop._raised_version(catalog, grants)
+                    _raised_version(catalog, grants)
                 with agent_loop.SqliteStore(path) as store:
-                    result = await run_agent(agent_loop._catalog_model(), registry={}, catalog=catalog, grants=grants,
-                                             accept=agent_loop._catalog_accepted, store=store, run_id="chat",
+                    result = await run_agent(_catalog_model(), registry={}, catalog=catalog, grants=grants,
+                                             accept=_catalog_accepted, store=store, run_id="chat",
                                              fixtures=agent_loop.FunctionTools(functions), limits=SLOW_ROOMY)
                 events = [event["event"] for event in result["trace"]]
                 self.assertEqual(events[:5], ["decision", "observations", "decision", "observations",

@@ -11,8 +11,10 @@ import unittest
 
 import agent_loop
 from agent_loop import run_agent
-from test_agent_loop import code_blocks, readme_section, run_command, RuntimeTestCase
-from tests.support import BRIDGES, Recorder, utf8_json
+from test_agent_loop import code_blocks, readme_section, RuntimeTestCase
+from tests.support import run_script, BRIDGES, Recorder, utf8_json
+from examples.executor import executor
+from examples.orders import _catalog_accepted, _catalog_model, order_catalog
 
 
 # PART 19: the executor chapter's demo
@@ -24,7 +26,7 @@ class ExecutorTests(RuntimeTestCase):
     async def test_the_reads_run_at_once_each_as_its_tool_says_and_the_write_runs_once(self):
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
-            timeline, result = await agent_loop.executor()
+            timeline, result = await executor()
         self.assertEqual((result["status"], result["answer"]),
                          ("completed", {"fetch_page": "ok", "read_file": "ok", "flaky_quote": "ok",
                                         "stuck_feed": "tool_timeout", "save_report": "temporary"}))
@@ -41,7 +43,7 @@ class ExecutorTests(RuntimeTestCase):
         self.assertIn("^ seconds", timeline.text(result))  # cut by the stuck read's own limit, not tool_seconds
 
     def test_the_readme_shows_the_command_as_it_prints(self):
-        done = run_command("executor")
+        done = run_script("executor")
         (shown,) = [block for block in code_blocks(readme_section("Retries, time limits and calls in flight"), "")
                     if "the executor" in block]
         numbers = functools.partial(re.sub, r" *\d+", " N")  # its times, as wide as they come
@@ -53,8 +55,8 @@ class ExecutorTests(RuntimeTestCase):
 
 def sent_after_the_load():
     """The catalog's part (tools, replayed turns) of the request each bridge sends once the chapter's run loaded."""
-    catalog, grants, functions = agent_loop.order_catalog()
-    result = asyncio.run(run_agent(agent_loop._catalog_model(), registry={}, accept=agent_loop._catalog_accepted,
+    catalog, grants, functions = order_catalog()
+    result = asyncio.run(run_agent(_catalog_model(), registry={}, accept=_catalog_accepted,
                                    catalog=catalog, grants=grants, fixtures=agent_loop.FunctionTools(functions)))
     figures = []
     for name, key in (("responses", "input"), ("chat", "messages"), ("messages", "messages")):
@@ -70,7 +72,7 @@ class CatalogNumbersTests(unittest.TestCase):
     """PART 20: the chapter's 300 entries, what is found, loaded and sent, and the five boundaries, one command."""
 
     def test_the_command_prints_the_chapters_numbers_and_the_readme_shows_them(self):
-        done = run_command("catalog")
+        done = run_script("catalog")
         self.assertEqual((done.returncode, done.stderr), (0, ""))
         lines = done.stdout.splitlines()
         self.assertTrue(lines[0].startswith('registered 300, discoverable 299 (every grant but refunds:write), loaded 2 '
@@ -94,9 +96,9 @@ class CatalogNumbersTests(unittest.TestCase):
         self.assertEqual(shown, done.stdout)
 
     def test_the_full_path_is_what_the_bridges_send_for_every_discoverable_definition(self):
-        catalog, grants, _ = agent_loop.order_catalog()
+        catalog, grants, _ = order_catalog()
         full = {name: entry.spec for name, entry in catalog.entries.items() if entry.permission in grants}
-        done = run_command("catalog")
+        done = run_script("catalog")
         figures = [int(figure.replace(",", "")) for figure in done.stdout.splitlines()[9][60:].split()]
         sent = [len(json.dumps(tools(full), ensure_ascii=False, separators=(",", ":")).encode()) for tools in (
             agent_loop.responses_tools, agent_loop.chat_tools, agent_loop.messages_tools)]
@@ -109,7 +111,7 @@ class JobsChapterTests(unittest.TestCase):
     """PART 21: a job's lifecycle and its failures, on a clock of their own, one command, as the README shows it."""
 
     def test_the_command_prints_the_chapters_outcomes_and_the_readme_shows_them(self):
-        done = run_command("jobs")
+        done = run_script("jobs")
         self.assertEqual((done.returncode, done.stderr), (0, ""))
         lines = done.stdout.splitlines()
         for expected in ("  0  submit: job 1 queued; the store closed and opened again: job 1 queued",

@@ -13,6 +13,7 @@ import agent_loop
 from agent_loop import accepted, call, Fixtures, Limits, run_agent, scripted, TOOLS, ToolSpec
 from test_agent_loop import any_answer, calls, errors, final, observations, PLAN, read_file, ROOMY, wait_until
 from tests.support import child_command, JOB_RUN_OPTIONS, JOB_X, JobRunTools, LeaseCase, run_in_a_process
+from examples.orders import JOB_ORDER_TOOLS, place_order_job, receipt_accepted, receipt_model
 
 
 class JobRunTests(LeaseCase):
@@ -20,7 +21,7 @@ class JobRunTests(LeaseCase):
     another process; a run that kills its workers set aside; here on SQLite (PostgresJobRunTests: PostgreSQL)."""
 
     def run_options(self, store, run_id="order", **options):
-        return dict(registry=agent_loop.JOB_ORDER_TOOLS, accept=agent_loop.receipt_accepted,
+        return dict(registry=JOB_ORDER_TOOLS, accept=receipt_accepted,
                     fixtures=Fixtures(delays={}), store=store, run_id=run_id, limits=ROOMY, **options)
 
     def asked(self):
@@ -29,26 +30,26 @@ class JobRunTests(LeaseCase):
 
         async def model(history):
             count.append(len(history))
-            return await agent_loop.receipt_model(history)
+            return await receipt_model(history)
 
         return model, count
 
     async def test_a_job_tool_needs_a_store_that_keeps_jobs(self):
-        registry = agent_loop.JOB_ORDER_TOOLS
+        registry = JOB_ORDER_TOOLS
         await self.assertRefusedBeforeTheModelIsAsked(
             "place_order: a job tool needs a store: run_agent(..., store=..., run_id=...)", registry=registry,
-            accept=agent_loop.receipt_accepted, fixtures=Fixtures(delays={}))
+            accept=receipt_accepted, fixtures=Fixtures(delays={}))
 
         class Runs(agent_loop.Store):  # a store of named runs that keeps no jobs
             load = claim = claimed = save = unfinished = lambda self, *args: None
 
         await self.assertRefusedBeforeTheModelIsAsked(
             "place_order: a job tool needs a store that keeps jobs, such as a SqlStore", registry=registry,
-            accept=agent_loop.receipt_accepted, fixtures=Fixtures(delays={}), store=Runs(), run_id="r")
+            accept=receipt_accepted, fixtures=Fixtures(delays={}), store=Runs(), run_id="r")
 
     async def test_a_job_call_submits_its_job_and_the_run_pauses_holding_no_lease(self):
         store = self.store()
-        result = await run_agent(agent_loop.receipt_model, approve=lambda write: "approve", **self.run_options(store))
+        result = await run_agent(receipt_model, approve=lambda write: "approve", **self.run_options(store))
         (pending,) = result["pending"]
         self.assertEqual((result["status"], pending["call_id"], pending["name"], pending["job"]),
                          ("awaiting_job", "r3-order", "place_order", 1))
@@ -64,9 +65,9 @@ class JobRunTests(LeaseCase):
 
     async def test_a_write_job_is_approved_before_its_job_is_submitted(self):
         store = self.store()
-        result = await run_agent(agent_loop.receipt_model, approve=lambda write: "ask", **self.run_options(store))
+        result = await run_agent(receipt_model, approve=lambda write: "ask", **self.run_options(store))
         self.assertEqual((result["status"], store.overview()["jobs"]), ("awaiting_approval", []))
-        result = await run_agent(agent_loop.receipt_model, approvals={"r3-order": "approve"}, **self.run_options(store))
+        result = await run_agent(receipt_model, approvals={"r3-order": "approve"}, **self.run_options(store))
         self.assertEqual((result["status"], len(store.overview()["jobs"])), ("awaiting_job", 1))
 
     async def test_the_run_asks_the_model_nothing_until_every_job_has_ended_then_goes_on_with_its_result(self):
@@ -77,7 +78,7 @@ class JobRunTests(LeaseCase):
         again = await run_agent(model, **self.run_options(store))
         self.assertEqual((again["status"], again["used"], len(asked)), ("awaiting_job", {"rounds": 3, "calls": 4,
                                                                                           "credits": 20}, 3))
-        self.assertEqual(await agent_loop.work_jobs(store, {"place_order": agent_loop.place_order_job}), 1)
+        self.assertEqual(await agent_loop.work_jobs(store, {"place_order": place_order_job}), 1)
         self.assertEqual(store.claim_next(), "order")  # its jobs have ended: a worker may go on with it
         done = await run_agent(model, **self.run_options(store))
         receipt = {"order": "PO-1", "lines": 3, "total_cents": 21900}
@@ -109,12 +110,12 @@ class JobRunTests(LeaseCase):
         store = self.store(clock=lambda: now[0])
         limits = Limits(total_seconds=0.5, tool_seconds=0.2, job_seconds=60)
         options = {**self.run_options(store), "limits": limits}
-        await run_agent(agent_loop.receipt_model, approve=lambda write: "approve", **options)
+        await run_agent(receipt_model, approve=lambda write: "approve", **options)
         await asyncio.sleep(0.6)  # longer than the run may take: paused, it is no time of the run's
         now[0] += 61  # and past the job's deadline, on the store's clock
         self.assertIsNone(store.claim_job())
         self.assertEqual(store.status("order", 1)["error"], "deadline_exceeded")
-        result = await run_agent(agent_loop.receipt_model, **options)  # not past its deadline: it goes on
+        result = await run_agent(receipt_model, **options)  # not past its deadline: it goes on
         failed = observations(result)[3]
         self.assertEqual((failed["error"], failed["reason"]), ("job_failed", "deadline_exceeded"))
         self.assertEqual((result["status"], result["pending"][0]["call_id"]), ("awaiting_approval", "r4-order"))
@@ -125,17 +126,17 @@ class JobRunTests(LeaseCase):
         store = self.store()
         self.assertEqual(len(store.overview()["jobs"]), 1)  # its submit committed; its observation was never saved
         options = self.run_options(store)
-        paused = await run_agent(agent_loop.receipt_model, **options)
+        paused = await run_agent(receipt_model, **options)
         self.assertEqual((paused["status"], paused["pending"][0]["job"]), ("awaiting_job", 1))
         self.assertEqual(errors(paused)[-1], "awaiting_job")
-        await agent_loop.work_jobs(store, {"place_order": agent_loop.place_order_job})
-        done = await run_agent(agent_loop.receipt_model, **options)
+        await agent_loop.work_jobs(store, {"place_order": place_order_job})
+        done = await run_agent(receipt_model, **options)
         self.assertEqual((done["status"], len(store.overview()["jobs"])), ("completed", 1))
         self.assertEqual(done["used"]["calls"], 4)  # the cut call charged once
 
     async def test_a_run_no_lease_holds_is_cancelled_at_once_and_its_jobs_are_asked_to_cancel(self):
         store = self.store()
-        await run_agent(agent_loop.receipt_model, approve=lambda write: "approve", **self.run_options(store))
+        await run_agent(receipt_model, approve=lambda write: "approve", **self.run_options(store))
         store.add("queued")
         self.assertEqual(store.cancel_run("order", by="ops"), "cancelled")
         self.assertEqual(store.cancel_run("queued"), "cancelled")

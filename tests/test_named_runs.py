@@ -22,6 +22,7 @@ import agent_loop
 from agent_loop import call, fake_model, Fixtures, Limits, run_agent, scripted, TOOLS, ToolSpec
 from test_agent_loop import calls, code_blocks, errors, final, HERE, never_accept, readme_section, ROOMY, wait_until
 from tests.support import dict_store, run_in_a_process, store_result, StoreTestCase
+from examples.orders import order_accepted, order_model, ORDER_TOOLS, OrderDesk
 
 
 class SavedRunTests(StoreTestCase):
@@ -92,8 +93,8 @@ class SavedRunTests(StoreTestCase):
 
     async def test_a_run_whose_config_was_erased_by_hand_is_not_taken_for_a_new_one(self):
         store = self.store()
-        paused = await run_agent(agent_loop.order_model, registry=agent_loop.ORDER_TOOLS, fixtures=agent_loop.OrderDesk(),
-                                 accept=agent_loop.order_accepted, store=store, run_id="job", approve=lambda w: "ask",
+        paused = await run_agent(order_model, registry=ORDER_TOOLS, fixtures=OrderDesk(),
+                                 accept=order_accepted, store=store, run_id="job", approve=lambda w: "ask",
                                  limits=ROOMY)
         self.assertEqual(paused["status"], "awaiting_approval")
         store.db.execute("UPDATE agent_loop_runs SET config = NULL")

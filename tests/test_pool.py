@@ -16,6 +16,7 @@ import agent_loop
 from agent_loop import call, Fixtures, Limits, run_agent, ToolSpec
 from test_agent_loop import calls, CONVERSION_TOOLS, final, never_accept, ROOMY, SLOW_ROOMY, wait_until
 from tests.support import LeaseCase
+from examples.orders import order_accepted, order_model, ORDER_TOOLS, OrderDesk
 
 
 class LeaseTests(LeaseCase):
@@ -142,14 +143,14 @@ class LeaseTests(LeaseCase):
 
     async def test_a_paused_run_holds_no_lease_and_a_run_cut_lets_its_lease_go(self):
         a, b = self.store(), self.store()
-        paused = await run_agent(agent_loop.order_model, registry=agent_loop.ORDER_TOOLS, accept=agent_loop.order_accepted,
-                                 fixtures=agent_loop.OrderDesk(delays={}), store=a, run_id="order",
+        paused = await run_agent(order_model, registry=ORDER_TOOLS, accept=order_accepted,
+                                 fixtures=OrderDesk(delays={}), store=a, run_id="order",
                                  approve=lambda write: "ask", limits=ROOMY)
         self.assertEqual(paused["status"], "awaiting_approval")
         row = a._sql("SELECT holder, lease_until, waits FROM agent_loop_runs WHERE run_id = 'order'").fetchone()
         self.assertEqual((tuple(row), b.claim_next(), b.unfinished()), ((None, None, "approval"), None, ["order"]))
-        done = await run_agent(agent_loop.order_model, registry=agent_loop.ORDER_TOOLS, accept=agent_loop.order_accepted,
-                               fixtures=agent_loop.OrderDesk(delays={}), store=b, run_id="order",
+        done = await run_agent(order_model, registry=ORDER_TOOLS, accept=order_accepted,
+                               fixtures=OrderDesk(delays={}), store=b, run_id="order",
                                approvals={"r3-order": "approve"}, limits=ROOMY)
         self.assertEqual(done["status"], "completed")
         fixtures = Fixtures(delays={"north": 30})

@@ -14,6 +14,7 @@ from agent_loop import run_agent
 from test_agent_loop import ROOMY, SLOW_ROOMY, wait_until
 from tests.support import OnPostgres
 from tests import test_job_runs, test_jobs, test_pool  # as modules: their classes run once, in their own files
+from examples.orders import receipt_model
 
 
 class PostgresLeaseTests(OnPostgres, test_pool.LeaseTests):
@@ -234,7 +235,7 @@ class PostgresJobRunTests(OnPostgres, test_job_runs.JobRunTests):
     async def test_a_cancel_racing_a_jobs_finish_never_turns_the_finished_job_back(self):
         import psycopg
         store, worker = self.store(), self.store()
-        await run_agent(agent_loop.receipt_model, approve=lambda write: "approve", **self.run_options(store))
+        await run_agent(receipt_model, approve=lambda write: "approve", **self.run_options(store))
         job = worker.claim_job()
         pids = [one._thread.submit(lambda one=one: one.db.info.backend_pid).result() for one in (worker, store)]
         other = psycopg.connect(self.where, autocommit=True)

@@ -15,6 +15,7 @@ import tempfile
 import agent_loop
 from agent_loop import Fixtures, Limits, run_agent
 from test_agent_loop import code_blocks, HERE, readme_section, RuntimeTestCase
+from examples.scenarios import run_scenario
 
 
 # The README's examples, and the result-ownership experiment (result_ownership.py, verify_ownership.py,
@@ -26,7 +27,7 @@ class ReadmeTests(RuntimeTestCase):
 
     async def test_the_shapes_are_those_of_real_runs(self):
         retry = await run_agent(fixtures=Fixtures(failures={"north": ["temporary"]}))
-        scenario, _ = await agent_loop.run_scenario("invalid_arguments")
+        scenario, _ = await run_scenario("invalid_arguments")
         blocks = [json.loads(block) for block in code_blocks(readme_section("How a run ends"), "json")]
         self.assertEqual(blocks, [retry["history"][0], scenario])
 

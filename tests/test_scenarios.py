@@ -6,8 +6,9 @@ import re
 
 import agent_loop
 from agent_loop import STOP_STATUSES
-from test_agent_loop import errors, PLAN, readme_section, run_command, run_commands, RuntimeTestCase
-from tests.support import STATUSES
+from test_agent_loop import errors, PLAN, readme_section, RuntimeTestCase
+from tests.support import run_script, run_scripts, STATUSES
+from examples.scenarios import ATLAS, run_scenario
 
 
 # ======================================================================================================================
@@ -96,13 +97,13 @@ class AtlasTests(RuntimeTestCase):
 
     def test_every_stop_status_has_a_scenario_of_that_name_the_contracts_first(self):
         self.assertEqual(list(STOP_STATUSES[:len(STATUSES)]), STATUSES)  # later parts add theirs after
-        self.assertEqual([name for name, _, _ in agent_loop.ATLAS][:len(STATUSES)], STATUSES)
-        self.assertLessEqual(set(STOP_STATUSES), {name for name, _, _ in agent_loop.ATLAS})
+        self.assertEqual([name for name, _, _ in ATLAS][:len(STATUSES)], STATUSES)
+        self.assertLessEqual(set(STOP_STATUSES), {name for name, _, _ in ATLAS})
 
     async def test_each_scenario_stops_with_its_status_budget_and_errors(self):
         for name, (rounds, calls_used, credits, errors_seen) in ATLAS_EXPECTED.items():
             with self.subTest(name=name):
-                result, fixtures = await agent_loop.run_scenario(name)
+                result, fixtures = await run_scenario(name)
                 self.assertEqual(result["status"], name)
                 self.assertEqual(result["used"], {"rounds": rounds, "calls": calls_used, "credits": credits})
                 self.assertEqual(errors(result), errors_seen)
@@ -115,7 +116,7 @@ class AtlasTests(RuntimeTestCase):
         self.assertLessEqual({"temporary", "tool_timeout", "batch_aborted", "cancelled"}, seen)
 
     def test_the_table_is_the_one_written_out_here_and_in_the_readme(self):
-        first, second = run_commands(["scenarios"], ["scenarios"])
+        first, second = run_scripts(["scenarios"], ["scenarios"])
         self.assertEqual((first.returncode, first.stderr), (0, ""))
         self.assertEqual(first.stdout, second.stdout)
         self.assertEqual(first.stdout.splitlines()[:len(STATUSES) + 1], ATLAS_TABLE.splitlines())  # then later parts'
@@ -125,7 +126,7 @@ class AtlasTests(RuntimeTestCase):
         self.assertGreaterEqual(len(shown), 2)
 
     def test_the_json_table_holds_the_same_rows_and_each_runs_errors(self):
-        done = run_command("scenarios", "--json")
+        done = run_script("scenarios", "--json")
         self.assertEqual((done.returncode, done.stderr), (0, ""))
         rows = json.loads(done.stdout)
         whys = [line.split(maxsplit=5)[5] for line in ATLAS_TABLE.splitlines()[1:]]
@@ -136,7 +137,7 @@ class AtlasTests(RuntimeTestCase):
                              (row["name"], *ATLAS_EXPECTED[row["name"]]))
 
     def test_one_scenario_prints_its_events_as_they_happen_then_its_status_and_answer(self):
-        done = run_command("scenarios", "cancelled")
+        done = run_script("scenarios", "cancelled")
         self.assertEqual((done.returncode, done.stderr), (0, ""))
         head, rest = done.stdout.split("\n", 1)
         self.assertEqual(head, "cancelled: each trace event as it happens")
@@ -153,7 +154,7 @@ class AtlasTests(RuntimeTestCase):
         self.assertEqual(lines[2:], ["null"])
 
     def test_an_unknown_scenario_name_is_refused(self):
-        done = run_command("scenarios", "no_such_status")
+        done = run_script("scenarios", "no_such_status")
         self.assertEqual(done.returncode, 2)
         self.assertIn("invalid choice", done.stderr)
 
@@ -165,25 +166,25 @@ class AtlasTests(RuntimeTestCase):
         }
         for name, (status, used, errors_seen) in expected.items():
             with self.subTest(name=name):
-                result, fixtures = await agent_loop.run_scenario(name)
+                result, fixtures = await run_scenario(name)
                 self.assertEqual((result["status"], result["used"], errors(result)), (status, used, errors_seen))
                 self.assertEqual(fixtures.active, 0)
 
     async def test_the_atlas_shows_a_catalog_tool_refused_at_the_gate_and_never_started(self):
         for name in ("denied", "stale_definition"):
             with self.subTest(name=name):
-                result, fixtures = await agent_loop.run_scenario(name)
+                result, fixtures = await run_scenario(name)
                 self.assertEqual((result["status"], result["used"], fixtures.started),
                                  (name, {"rounds": 3, "calls": 2, "credits": 11}, []))
                 self.assertEqual((result["trace"][-1]["call_id"], result["trace"][-1]["name"]), ("r3-order", "orders_get"))
 
     async def test_the_atlas_shows_the_order_as_a_job_the_run_paused_then_answered_with_its_receipt(self):
-        paused, fixtures = await agent_loop.run_scenario("awaiting_job")
+        paused, fixtures = await run_scenario("awaiting_job")
         self.assertEqual((paused["status"], paused["used"], [item["job"] for item in paused["pending"]]),
                          ("awaiting_job", {"rounds": 3, "calls": 4, "credits": 20}, [1]))
         self.assertNotIn("r3-order", fixtures.started)  # the order is the job's: no tool of the run placed it
         seen = []
-        done, _ = await agent_loop.run_scenario("job_done", seen.append)
+        done, _ = await run_scenario("job_done", seen.append)
         self.assertEqual((done["status"], done["answer"]), ("completed", {"order": "PO-1", "lines": 3,
                                                                            "total_cents": 21900}))
         worker = [event["job"]["event"] for event in seen if "job" in event and len(event) == 1]
@@ -193,13 +194,13 @@ class AtlasTests(RuntimeTestCase):
                          ["awaiting_job", "resumed", "job", "decision", "completed"])
 
     def test_every_status_of_the_module_has_a_scenario(self):
-        self.assertLessEqual(set(agent_loop.every_status()), {name for name, _, _ in agent_loop.ATLAS})
+        self.assertLessEqual(set(agent_loop.every_status()), {name for name, _, _ in ATLAS})
 
     async def test_the_atlas_shows_a_write_asked_about_decided_too_late_and_unknown(self):
         expected = {"awaiting_approval": (3, 3, 17), "approval_expired": (3, 3, 17), "unknown_outcome": (3, 4, 20)}
         for name, used in expected.items():
             with self.subTest(name=name):
-                result, _ = await agent_loop.run_scenario(name)
+                result, _ = await run_scenario(name)
                 self.assertEqual((result["status"], tuple(result["used"].values())), (name, used))
 
 
@@ -207,7 +208,7 @@ class AtlasTests(RuntimeTestCase):
         self.assertEqual(list(WHY), STATUSES)
         for name, why in WHY.items():
             with self.subTest(name=name):
-                result, _ = await agent_loop.run_scenario(name)
+                result, _ = await run_scenario(name)
                 stop = result["trace"][-1]
                 self.assertEqual({key: value for key, value in stop.items()
                                   if key not in ("event", "status", "rounds", "calls", "credits")}, why)

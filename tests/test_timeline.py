@@ -20,10 +20,12 @@ import agent_loop
 from agent_loop import call, fake_model, Fixtures, Limits, run_agent, scripted, TemporaryError, TOOLS, ToolSpec
 from test_agent_loop import (
     any_answer, calls, conversion_accepted, CONVERSION_TOOLS, DEMO_TRANSCRIPT, errors, final, HERE, never_accept,
-    observations, PlainTools, PLAN, RateDesk, readme_section, retrying, ROOMY, run_command, run_commands,
+    observations, PlainTools, PLAN, RateDesk, readme_section, retrying, ROOMY,
     RuntimeTestCase,
 )
-from tests.support import STATUSES
+from tests.support import run_script, run_scripts, STATUSES
+from examples.scenarios import ATLAS, run_scenario
+from examples.timeline import _COLOURS, Timeline
 
 
 # PART 18: see a run: its decisions and calls drawn on a time axis
@@ -52,7 +54,7 @@ class TimelineTests(RuntimeTestCase):
     """PART 18: a run drawn on a time axis: lanes, bars and outcomes, the SVG, and the drawings of the command line."""
 
     async def drawn(self, fixtures, **options):
-        timeline = agent_loop.Timeline()
+        timeline = Timeline()
         result = await run_agent(timeline.model(options.pop("model", fake_model)), fixtures=timeline.tools(fixtures),
                                  on_event=timeline.event, **options)
         return timeline, result
@@ -90,8 +92,8 @@ class TimelineTests(RuntimeTestCase):
         ]
         for name, outcomes, mark in cases:
             with self.subTest(name=name):
-                timeline = agent_loop.Timeline()
-                result, _ = await agent_loop.run_scenario(name, timeline=timeline)
+                timeline = Timeline()
+                result, _ = await run_scenario(name, timeline=timeline)
                 drawing = timeline.text(result)
                 self.assertEqual([lane[2] for lane in bars(drawing).values()], outcomes)
                 self.assertEqual([line.strip() for line in drawing.splitlines() if line.strip().startswith("^")],
@@ -105,8 +107,8 @@ class TimelineTests(RuntimeTestCase):
     async def test_the_svg_is_a_document_with_one_bar_per_call_and_its_limit_lines(self):
         for name, limits in (("deadline", 1), ("permission_denied", 0), ("completed", 0)):
             with self.subTest(name=name):
-                timeline = agent_loop.Timeline()
-                result, _ = await agent_loop.run_scenario(name, timeline=timeline)
+                timeline = Timeline()
+                result, _ = await run_scenario(name, timeline=timeline)
                 root = xml.etree.ElementTree.fromstring(timeline.svg(result).split("\n", 1)[1])
                 svg = "{http://www.w3.org/2000/svg}"
                 self.assertEqual(root.tag, f"{svg}svg")
@@ -119,14 +121,14 @@ class TimelineTests(RuntimeTestCase):
     async def test_every_scenario_draws(self):
         for name in STATUSES:
             with self.subTest(name=name):
-                timeline = agent_loop.Timeline()
-                result, _ = await agent_loop.run_scenario(name, timeline=timeline)
+                timeline = Timeline()
+                result, _ = await run_scenario(name, timeline=timeline)
                 self.assertEqual(result["status"], name)
                 self.assertTrue(timeline.text(result).splitlines()[-1].startswith(f"{name}: "))
                 xml.etree.ElementTree.fromstring(timeline.svg(result).split("\n", 1)[1])
 
     async def test_a_call_id_with_control_characters_draws_safely(self):
-        timeline = agent_loop.Timeline()
+        timeline = Timeline()
         model = scripted(calls(call("a\x01\n\x1b[31mred", partition="north")))
         result = await run_agent(timeline.model(model), fixtures=timeline.tools(Fixtures()), on_event=timeline.event,
                                  limits=dataclasses.replace(ROOMY, rounds=1))
@@ -135,8 +137,8 @@ class TimelineTests(RuntimeTestCase):
         xml.etree.ElementTree.fromstring(timeline.svg(result).split("\n", 1)[1])
 
     def test_a_file_the_svg_cannot_go_to_is_refused_before_the_run(self):
-        for done in run_commands(("demo", "--svg", os.path.join(HERE, "no such folder", "demo.svg")),
-                                 ("demo", "--svg", "")):
+        for done in run_scripts(("timeline", "--svg", os.path.join(HERE, "no such folder", "demo.svg")),
+                                ("timeline", "--svg", "")):
             self.assertEqual((done.returncode, done.stdout), (2, ""))
             self.assertIn("can't open", done.stderr)
             self.assertNotIn("Traceback", done.stderr)
@@ -149,13 +151,13 @@ class TimelineTests(RuntimeTestCase):
                                                              "no standard output\n"))
 
     async def test_every_scenario_draws_but_those_that_resume_a_run_which_are_refused_before_a_file_is_touched(self):
-        undrawn = [name for name, _, how in agent_loop.ATLAS if how.get("drawn") is False]
+        undrawn = [name for name, _, how in ATLAS if how.get("drawn") is False]
         self.assertEqual(undrawn, ["superseded", "resumed", "approval_expired"])
-        for name in [name for name, _, _ in agent_loop.ATLAS if name not in STATUSES]:  # (those: just above)
+        for name in [name for name, _, _ in ATLAS if name not in STATUSES]:  # (those: just above)
             with self.subTest(name=name):
-                timeline = agent_loop.Timeline()
+                timeline = Timeline()
                 with contextlib.redirect_stdout(io.StringIO()):
-                    result, _ = await agent_loop.run_scenario(name, timeline=timeline)
+                    result, _ = await run_scenario(name, timeline=timeline)
                 if name in undrawn:
                     self.assertRaises(ValueError, timeline.text, result)  # (so the flag says what is so)
                 else:
@@ -164,7 +166,7 @@ class TimelineTests(RuntimeTestCase):
             path = os.path.join(folder, "kept.svg")
             with open(path, "w", encoding="utf-8") as file:
                 file.write("kept")
-            for done in run_commands(*[("scenarios", name, "--svg", path) for name in undrawn]):
+            for done in run_scripts(*[("timeline", name, "--svg", path) for name in undrawn]):
                 self.assertEqual((done.returncode, done.stdout), (2, ""))
                 self.assertIn("a Timeline draws a run it recorded whole", done.stderr)
             with open(path, encoding="utf-8") as file:
@@ -190,7 +192,7 @@ class TimelineTests(RuntimeTestCase):
         svg = xml.etree.ElementTree.fromstring(timeline.svg(result).split("\n", 1)[1])
         shades = [rect.get("fill") for rect in svg.iter("{http://www.w3.org/2000/svg}rect")
                   if rect.findtext("{http://www.w3.org/2000/svg}title", "").startswith("a read")]
-        self.assertEqual(shades, [agent_loop._COLOURS[code] for code in ("temporary", "tool_timeout", "ok")])
+        self.assertEqual(shades, [_COLOURS[code] for code in ("temporary", "tool_timeout", "ok")])
         self.assertEqual(len([line for line in svg.iter("{http://www.w3.org/2000/svg}line")
                               if line.get("class") == "backoff"]), 1)
 
@@ -209,7 +211,7 @@ class TimelineTests(RuntimeTestCase):
 
                 registry = {"read": ToolSpec(1, True, True, parameters=READ, retries=1, seconds=0.05,
                                              backoff=(0.05, 0.05))}
-                limits, timeline = dataclasses.replace(ROOMY, rounds=1), agent_loop.Timeline(registry=registry)
+                limits, timeline = dataclasses.replace(ROOMY, rounds=1), Timeline(registry=registry)
                 with unittest.mock.patch.object(agent_loop.random, "uniform", lambda low, high: high):
                     result = await run_agent(timeline.model(scripted(calls(call("a", "read", sku="A")))),
                                              registry=registry, fixtures=timeline.tools(PlainTools({"read": read})),
@@ -219,7 +221,7 @@ class TimelineTests(RuntimeTestCase):
                                  [("seconds", timeline.calls["a"][marked][1])])
 
     async def test_a_timeline_wraps_tools_without_hiding_what_they_say_of_writes(self):
-        timeline = agent_loop.Timeline()
+        timeline = Timeline()
         registry = {"save": ToolSpec(1, False, False, parameters=READ)}
         keyless = agent_loop.FunctionTools({"save": lambda sku: {}})
         with agent_loop.SqliteStore(":memory:") as store:
@@ -232,7 +234,7 @@ class TimelineTests(RuntimeTestCase):
         drawings = [block for block in re.findall(r"```\n(.*?)```", readme_section("See a run on a time axis"), re.S)
                     if "round 1" in block]
         self.assertEqual(len(drawings), 1)
-        retry = agent_loop.Timeline()
+        retry = Timeline()
         fixtures = Fixtures(failures={"north": ["temporary"]})
         result = await run_agent(retry.model(fake_model), fixtures=retry.tools(fixtures), on_event=retry.event)
         fresh = [retry.text(result)]
@@ -247,7 +249,7 @@ class TimelineTests(RuntimeTestCase):
                                  [len(line) for line in drawn.splitlines()[:2]])
 
     def test_the_demo_draws_only_when_asked_and_prints_the_same_bytes_besides(self):
-        drawn = run_command("demo", "--timeline")
+        drawn = run_script("timeline")
         self.assertEqual((drawn.returncode, drawn.stderr), (0, ""))
         normal, retry = DEMO_TRANSCRIPT.split("retry completed")
         self.assertTrue(drawn.stdout.startswith(normal))
@@ -255,38 +257,34 @@ class TimelineTests(RuntimeTestCase):
         self.assertEqual(drawn.stdout.count("completed: "), 2)  # one drawing after each run
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "demo.svg")
-            done = run_command("demo", "--svg", path)
+            done = run_script("timeline", "--svg", path)
             self.assertEqual(done.stdout, DEMO_TRANSCRIPT)  # the drawing went to the file instead
             with open(path, encoding="utf-8") as file:
                 xml.etree.ElementTree.fromstring(file.read().split("\n", 1)[1])
-        refused = run_command("scenarios", "--timeline")
-        self.assertEqual(refused.returncode, 2)
-        self.assertIn("give its NAME", refused.stderr)
 
     def test_the_command_line_refuses_a_mix_before_it_touches_a_file(self):
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "kept.svg")
             with open(path, "w", encoding="utf-8") as file:
                 file.write("kept")
-            for argv, says in ((("scenarios", "--json", "--svg", path), "give its NAME"),
-                               (("scenarios", "deadline", "--json"), "give no NAME"),
-                               (("scenarios", "deadline", "--json", "--svg", path), "give no NAME")):
+            for argv, says in ((("scenarios", "deadline", "--json"), "give no NAME"),
+                               (("timeline", "no_such_status", "--svg", path), "invalid choice")):
                 with self.subTest(argv=argv):
-                    done = run_command(*argv)
+                    done = run_script(*argv)
                     self.assertEqual((done.returncode, done.stdout), (2, ""))
                     self.assertIn(says, done.stderr)
                     with open(path, encoding="utf-8") as file:
                         self.assertEqual(file.read(), "kept")
-            done = run_command("scenarios", "deadline", "--svg", path)
+            done = run_script("timeline", "deadline", "--svg", path)
             self.assertEqual(done.returncode, 0)
             with open(path, encoding="utf-8") as file:
                 self.assertTrue(file.read().startswith("<?xml"))
 
     @unittest.skipUnless(os.path.exists("/dev/full"), "needs /dev/full, a file that refuses every write")
     def test_a_drawing_that_cannot_be_written_is_an_error_line_not_a_traceback(self):
-        for argv in (("demo", "--svg", "/dev/full"), ("scenarios", "cancelled", "--svg", "/dev/full")):
+        for argv in (("timeline", "--svg", "/dev/full"), ("timeline", "cancelled", "--svg", "/dev/full")):
             with self.subTest(argv=argv):
-                done = run_command(*argv)
+                done = run_script(*argv)
                 self.assertEqual(done.returncode, 1)
                 self.assertNotIn("Traceback", done.stderr)
                 self.assertIn("No space left on device", done.stderr)
@@ -300,7 +298,7 @@ class TimelineTests(RuntimeTestCase):
         ids = ["北-1", "南-1", long_id, "cafe\u0301"]  # wide characters, a label too long, a combining accent
         registry = {"读取库存": ToolSpec(1, True, True, parameters=READ)}
         model = scripted(calls(*[call(cid, "读取库存", sku=str(n)) for n, cid in enumerate(ids)]), final("done"))
-        timeline = agent_loop.Timeline()
+        timeline = Timeline()
         tools = timeline.tools(agent_loop.FunctionTools({"读取库存": read_stock}))
         result = await run_agent(timeline.model(model), fixtures=tools, registry=registry, accept=any_answer,
                                  on_event=timeline.event, limits=ROOMY)
@@ -323,7 +321,7 @@ class TimelineRecorderTests(RuntimeTestCase):
     async def test_a_timeline_that_recorded_another_runs_calls_or_decisions_draws_neither(self):
         for why in ("calls", "decisions"):
             with self.subTest(why=why):
-                timeline = agent_loop.Timeline()
+                timeline = Timeline()
                 if why == "calls":  # an earlier run through its tools only
                     await run_agent(fixtures=timeline.tools(Fixtures()), limits=ROOMY)
                     result = await run_agent(timeline.model(fake_model), fixtures=Fixtures(), on_event=timeline.event,
@@ -345,25 +343,25 @@ class TimelineRecorderTests(RuntimeTestCase):
             return final(PLAN)
 
         for wrap in (False, True):
-            timeline = agent_loop.Timeline()
+            timeline = Timeline()
             model = timeline.model(plain_model) if wrap else plain_model
             self.assertEqual((await run_agent(model, limits=ROOMY))["status"], "model_exception")
-        timeline = agent_loop.Timeline()
+        timeline = Timeline()
         tools = timeline.tools(agent_loop.FunctionTools({"get_rate": RateDesk().get_rate}))
         await self.assertRefusedBeforeTheModelIsAsked("convert: FunctionTools has no function for it", fixtures=tools,
                                                       registry=CONVERSION_TOOLS, accept=conversion_accepted)
         # A Timeline is for one run: another run, or a model wrapped twice, is refused, not drawn wrong.
-        timeline = agent_loop.Timeline()
+        timeline = Timeline()
         for _ in range(2):
             result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures()),
                                      on_event=timeline.event, limits=ROOMY)
         with self.assertRaises(ValueError):
             timeline.text(result)
-        timeline = agent_loop.Timeline()
+        timeline = Timeline()
         result = await run_agent(timeline.model(fake_model), on_event=timeline.event, limits=ROOMY)
         with self.assertRaises(ValueError):  # its calls ran, but were not recorded
             timeline.text(result)
-        timeline, cancel = agent_loop.Timeline(), asyncio.Event()
+        timeline, cancel = Timeline(), asyncio.Event()
         cancel.set()
         result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures()), cancel=cancel,
                                  on_event=timeline.event, limits=ROOMY)
@@ -376,7 +374,7 @@ class TimelineRecorderTests(RuntimeTestCase):
         # A serial batch: north is cut by tool_seconds, south then by the run's deadline.
         registry = {**TOOLS, "read_partition": dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)}
         limits = Limits(tool_seconds=0.2, model_seconds=5, total_seconds=0.35)
-        timeline = agent_loop.Timeline(limits)
+        timeline = Timeline(limits)
         result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures(delays={"north": 30,
                                  "south": 30})), registry=registry, on_event=timeline.event, limits=limits)
         marks = [line.strip() for line in timeline.text(result).splitlines() if line.strip().startswith("^")]
@@ -388,7 +386,7 @@ class TimelineRecorderTests(RuntimeTestCase):
                 raise TimeoutError()
 
         limits = dataclasses.replace(ROOMY, rounds=1)
-        timeline = agent_loop.Timeline()
+        timeline = Timeline()
         result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(OwnTimeout(delays={})),
                                  on_event=timeline.event, limits=limits)
         self.assertEqual(errors(result), ["tool_timeout", "tool_timeout"])
@@ -406,20 +404,20 @@ class TimelineRecorderTests(RuntimeTestCase):
                     return data
 
             with self.subTest(edit=edit):
-                timeline = agent_loop.Timeline()
+                timeline = Timeline()
                 result = await self.drawn(timeline, Editing(delays={}))
                 self.assertEqual(result["status"], "completed")
                 self.assertIn("r1-north", timeline.text(result))
 
     async def test_a_run_the_timeline_did_not_record_whole_is_a_value_error(self):
         both_fail = {"failures": {"north": ["bug"], "south": ["bug"]}, "delays": {}}
-        unwrapped_tools = agent_loop.Timeline()
+        unwrapped_tools = Timeline()
         result = await run_agent(unwrapped_tools.model(fake_model), fixtures=Fixtures(**both_fail),
                                  on_event=unwrapped_tools.event, limits=ROOMY)
-        no_events = agent_loop.Timeline()
+        no_events = Timeline()
         result_without_events = await run_agent(no_events.model(fake_model), fixtures=no_events.tools(Fixtures()),
                                                 limits=ROOMY)
-        twice = agent_loop.Timeline()
+        twice = Timeline()
         for _ in range(2):
             second = await run_agent(fake_model, fixtures=twice.tools(Fixtures(delays={})), on_event=twice.event,
                                      limits=ROOMY)
@@ -439,7 +437,7 @@ class TimelineRecorderTests(RuntimeTestCase):
             return copy_of(value, instead)
 
         self.allowBlockingSteps()
-        timeline = agent_loop.Timeline()
+        timeline = Timeline()
         with unittest.mock.patch.object(agent_loop, "_copy", slow_second_view):
             result = await self.drawn(timeline, Fixtures(delays={}), limits=Limits(5, 5, 30, 2, 5, 5, 1.0))
         self.assertEqual((result["status"], result["used"]["rounds"], len(timeline.decisions)), ("deadline", 2, 1))
@@ -451,12 +449,12 @@ class TimelineRecorderTests(RuntimeTestCase):
                 await super().invoke(call)
                 raise TimeoutError()
 
-        timeline = agent_loop.Timeline()
+        timeline = Timeline()
         result = await self.drawn(timeline, OwnTimeout(delays={}), limits=dataclasses.replace(ROOMY, rounds=1))
         self.assertEqual(errors(result), ["tool_timeout", "tool_timeout"])
         self.assertEqual(timeline.cut, set())
         self.assertNotIn("^", timeline.text(result))
-        timeline = agent_loop.Timeline()
+        timeline = Timeline()
         result = await self.drawn(timeline, Fixtures(delays={"north": 30, "south": 0}),
                                   limits=Limits(rounds=1, tool_seconds=0.1, model_seconds=5, total_seconds=30))
         self.assertEqual((errors(result), timeline.cut), (["tool_timeout"], {("r1-north", 1)}))
@@ -469,7 +467,7 @@ class TimelineRecorderTests(RuntimeTestCase):
 
         self.allowBlockingSteps()
         limits = Limits(tool_seconds=5, model_seconds=5, total_seconds=0.3)
-        timeline = agent_loop.Timeline(limits)
+        timeline = Timeline(limits)
         result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures(delays={"north": 30,
                                  "south": 30})), on_event=timeline.watching(slow_watcher), limits=limits)
         marks = [line.strip() for line in timeline.text(result).splitlines() if line.strip().startswith("^")]
@@ -481,7 +479,7 @@ class TimelineRecorderTests(RuntimeTestCase):
             async def __call__(self, history):
                 return await fake_model(history)
 
-        timeline = agent_loop.Timeline()
+        timeline = Timeline()
         for wrap, thing, message in ((timeline.model, Model, "model must be an async function of history"),
                                      (timeline.model, None, "model must be an async function of history"),
                                      (timeline.tools, object(), "fixtures must be an object with an async invoke(call) method"),
@@ -498,7 +496,7 @@ class TimelineRecorderTests(RuntimeTestCase):
             await asyncio.sleep(0)
             seen.append(event)
 
-        timeline = agent_loop.Timeline()
+        timeline = Timeline()
         result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(Fixtures(delays={})),
                                  on_event=timeline.watching(watcher), limits=ROOMY)
         self.assertEqual(seen, result["trace"])
@@ -506,7 +504,7 @@ class TimelineRecorderTests(RuntimeTestCase):
 
 
     async def test_a_run_recorded_in_part_is_a_value_error_for_every_drawing(self):
-        cases = [  # (what was left out, run_agent's arguments given a agent_loop.Timeline, the message)
+        cases = [  # (what was left out, run_agent's arguments given a Timeline, the message)
             ("timeline.model", lambda t: {"model": fake_model, "fixtures": t.tools(retrying()), "on_event": t.event},
              "decisions were asked that this Timeline did not record: give run_agent timeline.model(model)"),
             ("timeline.tools", lambda t: {"model": t.model(fake_model), "fixtures": retrying(), "on_event": t.event},
@@ -516,7 +514,7 @@ class TimelineRecorderTests(RuntimeTestCase):
              "on_event=timeline.event, one Timeline per run"),
         ]
         for left_out, arguments, message in cases:
-            timeline = agent_loop.Timeline()
+            timeline = Timeline()
             result = await run_agent(**arguments(timeline), limits=ROOMY)
             self.assertEqual((result["status"], result["used"]["rounds"]), ("completed", 4))
             for draw in (timeline.lanes, timeline.text, timeline.svg):
@@ -526,7 +524,7 @@ class TimelineRecorderTests(RuntimeTestCase):
                     self.assertEqual(str(raised.exception), message)
 
     async def test_one_timeline_for_two_runs_draws_neither(self):
-        timeline = agent_loop.Timeline()
+        timeline = Timeline()
         results = [await run_agent(timeline.model(fake_model), fixtures=timeline.tools(retrying()),
                                    on_event=timeline.event, limits=ROOMY) for _ in range(2)]
         for number, result in enumerate(results, 1):
@@ -535,7 +533,7 @@ class TimelineRecorderTests(RuntimeTestCase):
                     draw(result)
 
     async def test_a_run_recorded_whole_draws_every_round(self):
-        timeline = agent_loop.Timeline()
+        timeline = Timeline()
         result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(retrying()),
                                  on_event=timeline.event, limits=ROOMY)
         drawing = timeline.text(result)
@@ -554,7 +552,7 @@ class TimelineRecorderTests(RuntimeTestCase):
 
         for watcher in (meddle, meddle_async):
             with self.subTest(watcher=watcher.__name__):
-                seen, timeline = [], agent_loop.Timeline()
+                seen, timeline = [], Timeline()
                 result = await run_agent(timeline.model(fake_model), fixtures=timeline.tools(retrying()),
                                          on_event=timeline.watching(watcher), limits=ROOMY)
                 self.assertEqual(len(seen), len(result["trace"]))  # the watcher saw every event

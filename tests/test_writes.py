@@ -24,6 +24,7 @@ import agent_loop
 from agent_loop import call, Limits, run_agent, scripted, ToolSpec
 from test_agent_loop import calls, code_blocks, final, never_accept, PLAN, readme_section, ROOMY, SLOW_ROOMY, wait_until
 from tests.support import dict_store, order_errors, run_in_a_process, StoreTestCase
+from examples.orders import order_accepted, order_model, ORDER_TOOLS, OrderDesk
 
 
 class WriteTests(StoreTestCase):
@@ -31,29 +32,29 @@ class WriteTests(StoreTestCase):
 
     async def order(self, store, desk=None, model=None, **options):
         """The inventory task with its order, in the store, as run "order"."""
-        return await run_agent(model or agent_loop.order_model, fixtures=desk or agent_loop.OrderDesk(delays={}),
-                               store=store, run_id="order", **{"limits": ROOMY, "accept": agent_loop.order_accepted,
-                                                               "registry": agent_loop.ORDER_TOOLS, **options})
+        return await run_agent(model or order_model, fixtures=desk or OrderDesk(delays={}),
+                               store=store, run_id="order", **{"limits": ROOMY, "accept": order_accepted,
+                                                               "registry": ORDER_TOOLS, **options})
 
     async def test_the_order_asked_about_pauses_then_a_decision_places_it_once(self):
-        store, desk = self.store(), agent_loop.OrderDesk(delays={})
+        store, desk = self.store(), OrderDesk(delays={})
         paused = await self.order(store, desk, approve=lambda write: "ask")
         (pending,) = paused["pending"]
         self.assertEqual((paused["status"], desk.started, store.unfinished()),
                          ("awaiting_approval", ["r1-north", "r1-south", "r2-plan"], ["order"]))
         self.assertEqual(pending["idempotency_key"], agent_loop.idempotency_key("order", "r3-order", store.store_id))
         self.assertEqual(pending["arguments"], {"items": PLAN["items"]})
-        later = agent_loop.OrderDesk(delays={})
+        later = OrderDesk(delays={})
         done = await self.order(store, later, approvals={"r3-order": "approve"})
         self.assertEqual((done["status"], done["answer"], later.started, later.effects),
                          ("completed", PLAN, ["r3-order"], [pending["idempotency_key"]]))
-        again = await self.order(store, agent_loop.OrderDesk(delays={}), approvals={"r3-order": "approve"})
+        again = await self.order(store, OrderDesk(delays={}), approvals={"r3-order": "approve"})
         self.assertEqual(again, done)  # ended: the stored result, and nothing runs twice
 
     async def test_a_writes_verdict_and_start_are_its_own_saved_state_not_the_traces(self):
         store, seen = self.store(), []
 
-        class Looking(agent_loop.OrderDesk):  # what the store holds as the order's tool gets it
+        class Looking(OrderDesk):  # what the store holds as the order's tool gets it
             async def invoke(self, call):
                 if call["name"] == "place_order":
                     seen.append(store.load("order")["state"]["writes"])
@@ -74,10 +75,10 @@ class WriteTests(StoreTestCase):
                                                       run_id="job", decisions={"a": "approve"})
 
     async def test_a_paused_runs_tools_see_no_call_until_the_decision_and_a_decision_is_used_once(self):
-        store, desk = self.store(), agent_loop.OrderDesk(delays={})
+        store, desk = self.store(), OrderDesk(delays={})
         await self.order(store, desk, approve=lambda write: "ask")
         for _ in range(3):  # called again without approvals: it pauses again, and no tool is called
-            idle = agent_loop.OrderDesk(delays={})
+            idle = OrderDesk(delays={})
             result = await self.order(store, idle)
             self.assertEqual((result["status"], idle.started), ("awaiting_approval", []))
         with self.assertRaises(ValueError) as raised:
@@ -90,14 +91,14 @@ class WriteTests(StoreTestCase):
 
         for policy in (raises, lambda write: "yes", lambda write: None, lambda write: ["approve"]):
             with self.subTest(policy=policy):
-                desk = agent_loop.OrderDesk(delays={})
+                desk = OrderDesk(delays={})
                 result = await self.order(self.store(), desk, approve=policy)
                 self.assertEqual((result["status"], "r3-order" in desk.started), ("awaiting_approval", False))
                 self.assertNoPrivateText(result)
 
     async def test_a_rejected_write_aborts_its_whole_batch_and_the_model_decides_again(self):
         batch = calls(call("read", partition="north"), call("order", "place_order", items=PLAN["items"]))
-        desk = agent_loop.OrderDesk(delays={})
+        desk = OrderDesk(delays={})
         result = await self.order(self.store(), desk, model=scripted(batch, final(PLAN)), approve=lambda write: "reject")
         self.assertEqual((result["status"], desk.started), ("invalid_final", []))  # the read never started either
         read, order = result["history"][0]["observations"]
@@ -109,7 +110,7 @@ class WriteTests(StoreTestCase):
         store, limits = self.store(), dataclasses.replace(ROOMY, approval_seconds=0.05)
         await self.order(store, approve=lambda write: "ask", limits=limits)
         await asyncio.sleep(0.2)
-        desk = agent_loop.OrderDesk(delays={})
+        desk = OrderDesk(delays={})
         result = await self.order(store, desk, approvals={"r3-order": "approve"}, limits=limits)
         self.assertEqual((result["status"], desk.started, store.unfinished()), ("approval_expired", [], []))
 
@@ -124,14 +125,14 @@ class WriteTests(StoreTestCase):
         two = calls(call("a", "place_order", items=PLAN["items"][:1]), call("b", "place_order", items=PLAN["items"][1:]))
         model, store = scripted(two, final("done")), self.store()
         accept = lambda answer, history: answer == "done"  # noqa: E731
-        side_by_side = {**agent_loop.ORDER_TOOLS, "place_order": dataclasses.replace(  # it says it may: writes do not
-            agent_loop.ORDER_TOOLS["place_order"], parallel_safe=True)}
+        side_by_side = {**ORDER_TOOLS, "place_order": dataclasses.replace(  # it says it may: writes do not
+            ORDER_TOOLS["place_order"], parallel_safe=True)}
         self.order = functools.partial(self.order, registry=side_by_side)
         first = await self.order(store, model=model, approve=lambda write: "ask", accept=accept)
         self.assertEqual([write["call_id"] for write in first["pending"]], ["a", "b"])
         second = await self.order(store, model=model, approvals={"a": "approve"}, accept=accept)
         self.assertEqual((second["status"], [write["call_id"] for write in second["pending"]]), ("awaiting_approval", ["b"]))
-        desk = agent_loop.OrderDesk(delays={})
+        desk = OrderDesk(delays={})
         done = await self.order(store, desk, model=model, approvals={"b": "approve"}, accept=accept)
         self.assertEqual((done["status"], desk.started), ("completed", ["a", "b"]))  # one after the other
         self.assertIs(done["trace"][-3]["parallel"], False)
@@ -163,11 +164,11 @@ class WriteTests(StoreTestCase):
             store=self.store(), run_id="job", approve=lambda write: "approve")
 
     async def test_writes_are_opt_in_and_what_they_need_is_checked_before_the_model_is_asked(self):
-        desk = agent_loop.OrderDesk(delays={})
-        plain = await run_agent(agent_loop.order_model, registry=agent_loop.ORDER_TOOLS, accept=agent_loop.order_accepted,
+        desk = OrderDesk(delays={})
+        plain = await run_agent(order_model, registry=ORDER_TOOLS, accept=order_accepted,
                                 fixtures=desk, limits=ROOMY)  # no approve: a write is refused, as in the article
         self.assertEqual((plain["status"], "r3-order" in desk.started), ("permission_denied", False))
-        desk = agent_loop.OrderDesk(delays={})
+        desk = OrderDesk(delays={})
         stored = await self.order(self.store(), desk)  # a store, but no approve: still refused
         self.assertEqual((stored["status"], "r3-order" in desk.started), ("permission_denied", False))
         store = self.store()
@@ -181,13 +182,13 @@ class WriteTests(StoreTestCase):
                   "a: not a write awaiting approval in this run")]
         for options, message in cases:
             with self.subTest(message=message):
-                await self.assertRefusedBeforeTheModelIsAsked(message, registry=agent_loop.ORDER_TOOLS,
-                                                              fixtures=agent_loop.OrderDesk(), accept=never_accept,
+                await self.assertRefusedBeforeTheModelIsAsked(message, registry=ORDER_TOOLS,
+                                                              fixtures=OrderDesk(), accept=never_accept,
                                                               **options)
         self.assertEqual(store.unfinished(), [])
 
     async def test_an_order_that_timed_out_after_it_applied_is_reconciled_not_placed_twice(self):
-        desk = agent_loop.OrderDesk(delays={}, failures={"place_order": ["timeout_after_apply"]})
+        desk = OrderDesk(delays={}, failures={"place_order": ["timeout_after_apply"]})
         result = await self.order(self.store(), desk, approve=lambda write: "approve",
                                   limits=dataclasses.replace(ROOMY, tool_seconds=0.2))
         order = result["history"][2]["observations"][0]
@@ -197,7 +198,7 @@ class WriteTests(StoreTestCase):
         self.assertEqual(json.loads(shown), order)
 
     async def test_an_unknown_outcome_pauses_the_run_and_a_later_call_asks_reconcile_again(self):
-        class Unsure(agent_loop.OrderDesk):  # it cannot tell the first time, and can the second
+        class Unsure(OrderDesk):  # it cannot tell the first time, and can the second
             answers = [{"applied": "perhaps"}]
             asked = []
 
@@ -211,7 +212,7 @@ class WriteTests(StoreTestCase):
         paused = await self.order(store, desk, approve=lambda write: "approve", limits=limits)
         self.assertEqual((paused["status"], [write["call_id"] for write in paused["unknown"]]),
                          ("unknown_outcome", ["r3-order"]))
-        self.assertFalse(agent_loop.order_accepted(PLAN, paused["history"]))  # an unknown write is no evidence
+        self.assertFalse(order_accepted(PLAN, paused["history"]))  # an unknown write is no evidence
         resumed = await self.order(store, desk, limits=limits)
         key = agent_loop.idempotency_key("order", "r3-order", store.store_id)
         self.assertEqual(desk.asked, [key, key])  # asked again, with the same key
@@ -223,7 +224,7 @@ class WriteTests(StoreTestCase):
     async def test_a_write_that_did_not_apply_says_so_and_only_an_unknown_one_is_reconciled(self):
         asked = []
 
-        class Desk(agent_loop.OrderDesk):
+        class Desk(OrderDesk):
             async def reconcile(self, call):
                 asked.append(call["call_id"])
                 return await super().reconcile(call)
@@ -240,7 +241,7 @@ class WriteTests(StoreTestCase):
                 self.assertEqual((result["status"], len(desk.effects)), ("completed", 1))  # placed later, once
 
     async def test_a_write_that_lost_its_connection_is_reconciled_never_tried_again(self):
-        class Dropped(agent_loop.OrderDesk):  # it places the order, then the connection drops before the answer
+        class Dropped(OrderDesk):  # it places the order, then the connection drops before the answer
             async def invoke(self, call):
                 placed = await super().invoke(call)
                 if call["name"] == "place_order" and len(self.effects) == 1 and len(self.started) == 4:
@@ -283,7 +284,7 @@ class WriteTests(StoreTestCase):
         self.assertEqual((done["status"], asked, len(effects)), ("completed", ["w1"], 1))
 
     async def test_an_order_reconciled_as_not_placed_is_never_placed_later(self):
-        desk = agent_loop.OrderDesk(delays={})
+        desk = OrderDesk(delays={})
         order = {"call_id": "late", "name": "place_order", "arguments": {"items": PLAN["items"]},
                  "idempotency_key": "k1"}
         self.assertEqual(await desk.reconcile(order), {"applied": False})
@@ -324,14 +325,14 @@ class WriteTests(StoreTestCase):
                     raise sqlite3.OperationalError("database is locked")
                 return super().save(run_id, generation, state, records, events, end)
 
-        store, desk = Flaky(":memory:"), agent_loop.OrderDesk(delays={})
+        store, desk = Flaky(":memory:"), OrderDesk(delays={})
         self.addCleanup(store.close)
         result = await self.order(store, desk, approve=lambda write: "approve")
         self.assertEqual((result["status"], result["trace"][-1]["error_type"]), ("store_failed", "OperationalError"))
         self.assertEqual((desk.started, desk.effects), (["r1-north", "r1-south", "r2-plan"], []))
 
     async def test_a_write_cut_by_a_cancel_or_the_deadline_pauses_and_a_later_call_settles_it(self):
-        class Desk(agent_loop.OrderDesk):
+        class Desk(OrderDesk):
             asked = []
 
             async def reconcile(self, call):
@@ -365,14 +366,14 @@ class WriteTests(StoreTestCase):
             if event["event"] == "write":
                 await asyncio.sleep(1)  # the run's whole time, and more
 
-        desk = agent_loop.OrderDesk(delays={})
+        desk = OrderDesk(delays={})
         result = await self.order(self.store(), desk, approve=lambda write: "approve", on_event=watcher,
                                   limits=Limits(tool_seconds=5, model_seconds=5, total_seconds=0.3))
         self.assertEqual((result["status"], desk.effects), ("deadline", []))
         self.assertNotIn("r3-order", desk.started)
 
     async def test_an_unknown_write_holds_back_the_rest_of_its_batch_until_it_is_settled(self):
-        class Unsure(agent_loop.OrderDesk):  # it cannot tell the first time, and can the second
+        class Unsure(OrderDesk):  # it cannot tell the first time, and can the second
             answers = [{"applied": "perhaps"}]
 
             async def reconcile(self, call):
@@ -405,7 +406,7 @@ class WriteTests(StoreTestCase):
         await wait_until(lambda: resumed)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        desk = agent_loop.OrderDesk(delays={})
+        desk = OrderDesk(delays={})
         done = await self.order(store, desk, approvals={"r3-order": "approve"})
         self.assertEqual((done["status"], desk.started, order_errors(done)), ("completed", ["r3-order"], []))
         self.assertEqual(done["used"], {"rounds": 4, "calls": 4, "credits": 23})  # the order charged once
@@ -512,7 +513,7 @@ class WriteTests(StoreTestCase):
             pass
 
         async def run(raised):
-            class Raising(agent_loop.OrderDesk):
+            class Raising(OrderDesk):
                 calls = 0
 
                 async def reconcile(self, call):
@@ -544,13 +545,13 @@ class WriteTests(StoreTestCase):
                              f"{list(approvals)[0]}: the run has ended, completed: no write of it awaits approval")
 
     async def test_tools_whose_reconcile_is_not_async_are_refused_before_the_model_is_asked(self):
-        class Plain(agent_loop.OrderDesk):
+        class Plain(OrderDesk):
             def reconcile(self, call):
                 return {"applied": False}
 
         await self.assertRefusedBeforeTheModelIsAsked(
             "reconcile: the tools' reconcile must be async (FunctionTools takes a plain function)",
-            registry=agent_loop.ORDER_TOOLS, fixtures=Plain(delays={}), accept=never_accept, store=self.store(),
+            registry=ORDER_TOOLS, fixtures=Plain(delays={}), accept=never_accept, store=self.store(),
             run_id="job", approve=lambda write: "approve")
 
     async def test_a_store_of_your_own_serves_a_run_with_the_five_methods_and_writes_with_a_store_id(self):
@@ -562,7 +563,7 @@ class WriteTests(StoreTestCase):
             await self.order(dict_store(), approve=lambda write: "approve")
         keys = []
         for store_id in ("one", "two"):
-            store, desk = dict_store(store_id), agent_loop.OrderDesk(delays={})
+            store, desk = dict_store(store_id), OrderDesk(delays={})
             done = await self.order(store, desk, approve=lambda write: "approve")
             keys += desk.effects
             self.assertEqual(done["status"], "completed")
@@ -605,7 +606,7 @@ class WriteTests(StoreTestCase):
         answers = (*odd, {"applied": 0}, {"applied": 0.0}, {"applied": False, "data": 1}, {"applied": 1})
 
         async def run(said):
-            class Odd(agent_loop.OrderDesk):
+            class Odd(OrderDesk):
                 async def reconcile(self, call):
                     return said
 
@@ -618,7 +619,7 @@ class WriteTests(StoreTestCase):
                 self.assertEqual((result["status"], order_errors(result)), ("unknown_outcome", ["unknown_outcome"]))
 
     async def test_empty_approvals_turn_no_write_on(self):
-        desk = agent_loop.OrderDesk(delays={})
+        desk = OrderDesk(delays={})
         result = await self.order(self.store(), desk, approvals={})
         self.assertEqual((result["status"], desk.effects), ("permission_denied", []))
 
@@ -637,7 +638,7 @@ class WriteTests(StoreTestCase):
         self.assertEqual((first["status"], again["status"], asked), ("awaiting_approval", "awaiting_approval",
                                                                     ["r3-order"]))
         self.assertEqual(again["pending"][0]["arguments"], {"items": PLAN["items"]})
-        desk = agent_loop.OrderDesk(delays={})
+        desk = OrderDesk(delays={})
         done = await self.order(store, desk, approvals={"r3-order": "approve"})
         self.assertEqual((done["status"], list(desk.orders.values())[0]["items"]), ("completed", PLAN["items"]))
 
