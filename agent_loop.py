@@ -16,23 +16,18 @@ import inspect
 import json
 import marshal
 import math
-import multiprocessing
 import os
-import platform
 import queue
 import random
 import re
 import sqlite3
-import statistics
 import sys
-import tempfile
 import threading
 import time
 import types
-import unicodedata
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property, partial, wraps
 
 
@@ -719,6 +714,11 @@ def accepted(answer, history):
 
 # PART 3, hard cases: what a stop may say of a call, and checks of yours that fail in any way
 
+def _signature(name, args):
+    """A call's signature: its tool and arguments, whatever its id (a fresh call id does not make a new attempt)."""
+    return canonical([name, args])
+
+
 def _about(cid, name=None):
     """The call_id and name a stop may say of a call: those that are short plain text, which a reader can use."""
     return {key: text for key, text in (("call_id", cid), ("name", name)) if _readable(text)}
@@ -764,8 +764,8 @@ def _plain_call(function, *args):
 
 # PART 4: run_agent: budgets, dispatch, observation history, stop states
 
-# Every way a run of the article's runtime can end, and the errors that only ever appear on one call's observation.
-# A later part declares those it adds (Part.statuses, Part.errors): every_status() and every_error() give them all.
+# Every way a run of the article's runtime can end, and the errors only a call's observation carries (every_status()
+# and every_error() add the later parts' own).
 STOP_STATUSES = (
     "completed", "round_limit", "call_limit", "credit_limit", "deadline", "cancelled", "model_timeout",
     "model_exception", "invalid_decision", "invalid_final", "invalid_batch", "invalid_call", "invalid_call_id",
@@ -779,12 +779,13 @@ class Run:
     """One run, as the loop and the later parts' seams share it: what it was given, and what it has done so far."""
     limits: Limits
     registry: dict  # the tools its batches may call
-    tools: object  # what runs a call: your fixtures, or what a later part wraps them in
+    tools: object  # what runs a call: your fixtures
     cancel: asyncio.Event
     on_event: Callable | None = None  # a watcher of each event
     accept: Callable = accepted  # the final check
     refusal: Callable | None = None  # what a refused batch becomes (a round, or None: the run stops), if not the end
-    parts: tuple = ()  # the later parts it meets at its seams, in order: the article's run meets none
+    parts: tuple = ()  # the later parts it meets, in order (see Part): the article's run meets none
+    seams: dict = field(default_factory=dict)  # seam name: the methods of the parts that have it, in order
     deadline: float = math.inf  # on the loop's clock
     used: dict = field(default_factory=lambda: {"rounds": 0, "calls": 0, "credits": 0})
     history: list = field(default_factory=list)  # a {"round", "calls", "observations"} per round
@@ -793,6 +794,8 @@ class Run:
     attempts: Counter = field(default_factory=Counter)  # how often each call signature was admitted
     writes: bool = False  # a gate decides whether each write runs (PART 10): preflight lets writes through
     authorize: Callable | None = None  # a later part's check of each call, in preflight (PART 13)
+    registry_at: Callable | None = None  # the tools a run with this history may call, if a part says more (PART 13)
+    serves: dict = field(default_factory=dict)  # tool name: a later part's own answer to its calls (PART 13, 15)
     cancel_wait: asyncio.Task | None = None  # one wait on the cancel event, for every wait of the run
 
     def time_left(self):
@@ -810,10 +813,8 @@ class Run:
 
     async def seam(self, name, value=None, *args):
         """What the later parts the run meets make of value at the seam `name`, each in turn that has it (see Part)."""
-        for part in self.parts:
-            seam = getattr(part, name, None)
-            if seam is not None:
-                value = await seam(self, value, *args)
+        for seam in self.seams.get(name, ()):
+            value = await seam(self, value, *args)
         return value
 
     async def emit(self, event, spent=False):
@@ -843,16 +844,15 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
     what was used so far: "decision" (its "kind"), "retry" (a read tried again: its "call_id", "attempt" and the
     error it retries "after"; its observation then says how many "attempts"), "observations" (the "ids" in request
     order, "parallel"), "stop" (the "status"; a failed run's says why: "call_id", "name", "reason", "error_type",
-    or the "rejected" answer).
-    accept is the final check, a plain function of copies of the answer and history; on_event, a plain or async
-    function, watches a copy of each event; on_refused names what a refused batch becomes: "stop" (the run stops)
-    or a later part's policy ("observe"); options are the later parts' (Part): store, run_id, approve, approvals
-    (PART 10), catalog, grants (PART 13)."""
+    or the "rejected" answer). accept is the final check, a plain function of copies of the answer and history;
+    on_event, a plain or async function, watches a copy of each event; on_refused names what a refused batch becomes:
+    "stop" (the run stops) or a later part's policy ("observe"); options are the later parts' (Part.options)."""
     run = await _checked_run(model, limits, fixtures, cancel, registry, accept, on_refused, on_event, options)
     try:
         ended = await run.seam("resume")  # a saved run put back where it stopped; an ended one, its stored result
         if ended is not None:
             return ended
+        await run.seam("settle")  # what its last round waits for, asked about
         for turn in range(run.used["rounds"] + 1, run.limits.rounds + 1):  # a resumed run goes on from what it paid
             # Decide, paid first: a decision costs its credits before the model is asked, and is never refunded.
             run.time_left()
@@ -940,8 +940,8 @@ async def _observe(run, item):
         return _failure(item, str(stop), False)
     run.used["calls"] += 1
     run.used["credits"] += spec.cost
-    try:
-        obs = _success(item, await run.wait(lambda: run.tools.invoke(call), seconds))
+    try:  # the tools' answer, or a later part's own (run.serves)
+        obs = _success(item, await run.wait(lambda: run.serves.get(item["name"], run.tools.invoke)(call), seconds))
     except Exception as error:
         obs = _tool_failure(item, error, spec.read_only)
     return await run.seam("after_call", obs, item)
@@ -963,11 +963,6 @@ def _parallel(registry, calls):
 def _cost(registry, calls):
     """The credits these calls cost."""
     return sum(registry[item["name"]].cost for item in calls)
-
-
-def _signature(name, args):
-    """A call's signature: its tool and arguments, whatever its id (a fresh call id does not make a new attempt)."""
-    return canonical([name, args])
 
 
 WHY_FIELDS = ("call_id", "name", "error_type", "reason")  # what a failed call's observation says of why
@@ -1002,51 +997,90 @@ class Part:
     """A later part of the module, as the core reads it: what it adds, and the seams where it joins a run.
 
     A later part subclasses Part and declares what it adds: statuses and errors (the stop statuses and observation
-    errors; every_status() and every_error() give the module's), pauses (statuses that pause a named run, as
+    errors: every_status() and every_error() give the module's), pauses (statuses that pause a named run, as
     awaiting_approval does, rather than end it), refusals (names for on_refused: policy(stop, decision, turn, run)
-    gives the round a refused batch becomes, or None), settled (observation errors that say a write's fate: it
-    is not reconciled), commands (name: (help, options(parser), async run(args,
-    parser)); a later part's replaces an earlier one of its name) and options (the run_agent keywords it takes).
-    join(run, given) makes its seams for a run given those options (or whose registry or limits ask for the part: a
-    read with retries, a job tool), or None: a run that asks for none of a part meets none of its seams, and the
-    article's run meets none at all. Parts join in the order they are defined, but one that is `last` (a store's
-    journal, which checks what it holds for the run as the others made it, then claims it) joins after the others.
-    A seam is a method named for the step of the article it serves; it gets the run and a value, and returns what
-    becomes of the value:
-      resume(None): before the first round: a saved run put back; the stored result, if it has ended;
-      spent(None): a step that spends was taken: a decision paid, a batch admitted, a call or batch observed, a refusal;
-      offer(None): before a decision is read: the tools its batch may call (run.registry), and run.authorize;
-      tools(registry, history): the tools a run with this history may call (the registry, and a catalog's loaded);
-      settle(None, record): a resumed run's last round, before it goes on: what a later part waits for, asked about;
-      gate(None, record, calls): before the calls of a batch start: observations instead (none of them starts), or Stop;
-      attempts(observe, calls): how each of those calls is tried: a function of the call that returns its observation;
-      retry(None, item): a read's retry is about to start, its "retry" event traced: its charge kept first, or Stop;
-      before_call(call, item): the call as its tool gets it; a Stop: it neither starts nor counts;
-      after_call(obs, item): the call's observation, as it stands;
-      named({}): what the result and its stop event carry besides (a named run's run_id);
-      end(result): the result that run_agent returns;
-      close(None): run_agent has returned, or was cut."""
+    gives the round a refused batch becomes, or None), observable (the part's refusals that an observed batch may
+    hold: PART 7), settled (observation errors that say a write's fate: it is not reconciled) and options (the
+    run_agent keywords it takes). join(run, given) gives the part as it meets a run given those options (or whose
+    registry or limits ask for it: a read with retries, a job tool), or None: a run that asks for none of a part
+    meets none of it, and the article's run meets no part at all. The parts meet a run in the order of PARTS, the
+    tuple after the last of them: they join in that order (a store's journal last: it checks what it holds for the
+    run as the others made it, then claims it), and the loop calls each seam of theirs in that order.
+    A seam is a method below, named for the step of the article it serves. The loop calls it on the parts whose class
+    has it, with the run and a value, and goes on with what it returns. A part that needs another's word asks it by
+    a plain call, never through a seam."""
 
-    statuses = errors = options = pauses = settled = ()
-    refusals = commands = types.MappingProxyType({})
-    last = False
+    statuses = errors = pauses = observable = settled = options = ()
+    refusals = types.MappingProxyType({})
 
     @classmethod
     async def join(cls, run, given):
-        """The part's seams for this run, or None; ValueError, before the model is asked, for what it cannot take."""
+        """The part, as it meets this run, or None; ValueError, before the model is asked, for what it cannot take."""
         return None
 
     @classmethod
     async def refused(cls, given):
         """run_agent refused a run before it started (a ValueError): let go of what the part's options hold for it."""
 
+    async def serves(self, run, tools):
+        """Once every part has joined, {tool name: async function of a call}: the tools the part answers itself."""
+        return tools
+
+    async def resume(self, run, ended):
+        """Before the first round (ended None): a saved run put back; its stored result, if it has ended."""
+        return ended
+
+    async def settle(self, run, value):
+        """Once the run is put back: what its last round waits for (a job, a write's outcome), asked about."""
+        return value
+
+    async def spent(self, run, value):
+        """A step that spends was taken: a decision paid, a batch admitted, a call or batch observed, a refusal."""
+        return value
+
+    async def offer(self, run, value):
+        """Before a decision is read: the tools its batch may call (run.registry), and run.authorize."""
+        return value
+
+    async def gate(self, run, observations, record, calls):
+        """Before the calls of a batch start (observations None): observations in their place (none starts), or Stop."""
+        return observations
+
+    async def attempts(self, run, observe, calls):
+        """How each of those calls is tried: a function of the call that gives its observation (observe: once)."""
+        return observe
+
+    async def before_call(self, run, call, item):
+        """Just before a call starts: the call as its tool gets it; Stop, and it neither starts nor counts."""
+        return call
+
+    async def after_call(self, run, obs, item):
+        """Once an attempt of a call that started has ended: its observation, as it stands."""
+        return obs
+
+    async def named(self, run, names):
+        """As the run stops: what its result and stop event carry besides ({} given: a named run's run_id, say)."""
+        return names
+
+    async def end(self, run, result):
+        """The result run_agent is about to return (a store saves it first)."""
+        return result
+
+    async def close(self, run, value):
+        """run_agent has returned, or was cut: what the part holds for the run is let go."""
+        return value
+
+
+def _parts():
+    """The later parts, in the order they meet a run: PARTS, declared after the last of them (none in PART 1-5)."""
+    return globals().get("PARTS", ())
+
 
 def _declared(name):
-    """What the later parts declare under name, in the order they are defined: (item, ...), or {key: item}."""
-    kinds = Part.__subclasses__()
+    """What the later parts declare under name, in their order: (item, ...), or {key: item}."""
     if isinstance(getattr(Part, name), tuple):
-        return tuple(item for kind in kinds for item in getattr(kind, name))
-    return {key: item for kind in kinds for key, item in getattr(kind, name).items()}
+        return tuple(item for kind in _parts() for item in getattr(kind, name))
+    return {key: item for kind in _parts() for key, item in getattr(kind, name).items()}
 
 
 def every_status():
@@ -1059,10 +1093,26 @@ def every_error():
     return OBSERVATION_ERRORS + _declared("errors")
 
 
+_SEAMS = [name for name, seam in vars(Part).items() if inspect.iscoroutinefunction(seam)]
+
+
+async def _joined(run, options):
+    """The parts that meet the run, each given its options, in the order of PARTS; then their seams, and what they
+    serve."""
+    for kind in _parts():
+        part = await kind.join(run, {name: options.get(name) for name in kind.options})
+        if part is not None:
+            run.parts += (part,)
+            for name in _SEAMS:  # it meets the run at the seams its class has, from now on
+                if getattr(type(part), name) is not getattr(Part, name):
+                    run.seams.setdefault(name, []).append(getattr(part, name))
+    run.serves = await run.seam("serves", {})
+
+
 async def _checked_run(model, limits, fixtures, cancel, registry, accept, on_refused, on_event, options):
     """The run, with the later parts it meets; ValueError, with a short message, for a mistake in what run_agent was
     given, before the model is asked (and what a later part held for it, such as a lease, is let go)."""
-    kinds, joined = Part.__subclasses__(), []
+    run = None
     try:
         unknown = [name for name in options if name not in _declared("options")]
         if unknown:
@@ -1088,15 +1138,11 @@ async def _checked_run(model, limits, fixtures, cancel, registry, accept, on_ref
         if on_event is not None and not _a_function(on_event):
             raise ValueError("on_event must be a function or None")
         run = Run(limits, registry, tools, cancel, on_event, accept, refusals[on_refused])
-        for kind in sorted(kinds, key=lambda kind: kind.last):  # once all else holds; a store's last (Part.last)
-            part = await kind.join(run, {name: options.get(name) for name in kind.options})
-            if part is not None:
-                joined.append(part)
-                run.parts = tuple(joined)  # a part that joins later may ask those before it, at their seams
+        await _joined(run, options)  # once all else holds
     except ValueError:
-        if joined:
+        if run is not None:
             await run.seam("close")  # what the parts that joined hold for it (a claim) is let go
-        for kind in kinds:
+        for kind in _parts():
             await kind.refused(options)
         raise
     run.deadline = loop.time() + limits.total_seconds  # (a resumed run's, less its past)
@@ -1260,10 +1306,17 @@ def _checked_tools(fixtures, registry, accept):
     if own and accept is accepted:
         raise ValueError("accept: the default final check knows only the inventory's plan; give your task's own")
     # A tools class that knows which tools it can run (FunctionTools does) says so before the model is asked.
-    check = getattr(type(fixtures), "check_registry", None)
+    check = _asked(fixtures, "check_registry")
     if check is not None:
-        check(fixtures, registry)
+        check(registry)
     return Fixtures() if fixtures is None else fixtures
+
+
+def _asked(tools, name):
+    """The tools object's method `name`, bound, if its class has one: what it says of the tools it serves
+    (check_registry, check_writes: ValueError for one it cannot serve) and of a write (reconcile); else None."""
+    method = getattr(type(tools), name, None)
+    return None if method is None else partial(method, tools)
 
 
 async def _watch(run, event):
@@ -1359,11 +1412,11 @@ def main(argv=None):
     return _run_command(parser, every_command()[args.command][2], args)
 
 
-# PART 5, hard cases: the later parts' commands, a reader who stops reading, and output that cannot be written
+# PART 5, hard cases: the commands after the runtime, a reader who stops reading, and output that cannot be written
 
 def every_command():
-    """The commands of the module: COMMANDS, then each later part's (Part.commands), which replaces one of its name."""
-    return {**COMMANDS, **_declared("commands")}
+    """The module's commands: COMMANDS, then those after the runtime (LATER_COMMANDS, if the module has them)."""
+    return {**COMMANDS, **globals().get("LATER_COMMANDS", {})}
 
 
 def _show(value, **options):
@@ -1557,7 +1610,7 @@ def _refused_round(stop, decision, turn, run):
     not a dict, a bad or repeated id, a repeat past `attempts`) stops it with its own status, the first in request
     order; so do more than twice Limits.batch calls (a model that sends more is not correcting a slip), a name no
     provider takes back, and a batch that is not data."""
-    calls, observable = decision.get("calls"), REFUSALS_TO_OBSERVE + _observable()
+    calls, observable = decision.get("calls"), REFUSALS_TO_OBSERVE + _declared("observable")
     if str(stop) not in observable or type(calls) is not list or not 1 <= len(calls) <= 2 * run.limits.batch:
         return None
     ids, signatures = set(), Counter()
@@ -1575,11 +1628,6 @@ def _refused_round(stop, decision, turn, run):
     return {"round": turn, "calls": calls, "observations": [
         _failure(item, str(stop), True, reason=stop.why["reason"] if refused in (None, item["call_id"]) else
                  "another call of the batch was refused") for item in calls]}
-
-
-def _observable():
-    """The refusals a later part adds that an observed batch may hold too (Part.observable, such as a catalog's)."""
-    return tuple(status for kind in Part.__subclasses__() for status in getattr(kind, "observable", ()))
 
 
 class ObservedRefusals(Part):
@@ -1759,26 +1807,17 @@ def _model(create, options, turns, replay, tools, decide):
 
 def _offered(tools, registry, catalog, grants):
     """The tools of each request and the history it replays, a function of history: the registry's tools, as tools()
-    declares them, and history; with a catalog (PART 13), its two tools and those this history loaded whose
-    permission the grants (run_agent's, read once a request) hold now, nothing else the catalog holds, and history
-    as Catalog.shown cuts it for those grants."""
+    declares them, and history; with a catalog (PART 13), what its requests() adds and cuts for the run's grants."""
     offered = tools(registry)  # a registry that cannot be offered is a ValueError now, not at the first request
     if catalog is None and grants is None:
         return lambda history: (offered, history)
-    if not all(callable(getattr(catalog, name, None)) for name in ("offered", "shown")):
+    if not callable(getattr(catalog, "requests", None)):
         raise ValueError("catalog must be a Catalog, given with its grants")
-    if grants is None:
-        raise ValueError("grants: a bridge given a catalog needs the run's grants too")
-    if not _plain_function(grants):
-        _grants(grants)
-    clash = [name for name in registry if name in catalog.offered([], frozenset())]
-    if clash:
-        raise ValueError(f"{clash[0]}: a name of the catalog's own tools, in the registry")
+    requests = catalog.requests(registry, grants)
 
     def request(history):
-        now = _granted(grants)
-        return [*offered, *tools({name: spec for name, spec in catalog.offered(history, now).items()
-                                  if name not in registry})], catalog.shown(history, now)
+        more, shown = requests(history)
+        return [*offered, *tools(more)], shown
     return request
 
 
@@ -2144,13 +2183,6 @@ async def _off_the_loop(store, method, *args):
     return await asyncio.wrap_future(store._thread.submit(method, *args))
 
 
-def _waits_off_its_thread(method):
-    """Mark a store's method that waits between its statements (a claim that tries again while a row is locked): the
-    store's thread serves the other runs' saves and renewals meanwhile."""
-    method.waits_off_its_thread = True
-    return method
-
-
 STORE_METHODS = ("load", "claim", "claimed", "save", "unfinished")
 VERDICTS = ("approve", "reject")  # a person's, or the approval policy's ("ask" leaves it to a person)
 NOT_APPLIED = ("tool_error", "temporary", "permission_denied")  # a write whose tool raised these did not apply
@@ -2168,52 +2200,27 @@ def idempotency_key(run_id, call_id, store_id=""):
 
 
 class _Journal(Part):
-    """A named run's journal: run_agent(..., store=store, run_id=...), with writes: approve=policy, approvals={...}.
+    """A named run's journal: run_agent(..., store=store, run_id=...) saves the run as it goes, and resumes it.
 
     One run through a crash and its resume. Before the model is asked, the journal loads what the store holds for
     the run and checks it (plain data of the shapes it saves, the same registry and limits: else a ValueError, and a
-    pool sets the run aside); then it claims the run, which fences any other holder, and loads and checks it again.
-    It saves at each step that spends, in one transaction each: the decision paid (before the model is asked), the
-    batch admitted (before its gate), each write's verdict (before any call of its batch starts), each write handed
-    to its tool (before the tool has it), each retry of a read (before it starts), each observation of a serial
-    batch, the batch's observations, a refusal, the end. A crash keeps what was saved, and the same call later
-    resumes the run: used, history, the ledger and the repeat counts as they were (a "resumed" event marks the
-    join), its deadline counting from its first start (less any time paused). A decision the crash cut stays paid:
-    the model is asked anew. A batch it cut is charged whole, each call once, and each retry its saved "retry"
-    events say was about to start: each call without an observation is interrupted (retryable), unless it is a write
-    saved as handed to its tool: that one's outcome is unknown. A batch that waited for approvals goes to its gate
-    again. A write whose outcome is unknown is asked about again (the tools' reconcile, with its key, bounded by
-    tool_seconds even past the deadline); once every one is settled, the calls after it that never started run. A
-    round whose observations say the run stopped stops it again. Before each call starts, the claim is checked: a
-    fenced process starts nothing.
-    The config compared on resume holds the registry's names, costs, permissions, job flags and schemas, and the
-    limits: a tool's validate and description are not compared (a function cannot be).
+    pool sets the run aside); then it claims the run, which fences any other holder, and loads and checks it again
+    (_open). It saves at each step that spends, in one transaction each (save): the decision paid (before the model
+    is asked), the batch admitted (before its gate), each retry of a read (before it starts), each observation of a
+    serial batch, the batch's observations, a refusal, the end; a run that may write saves more (_Writes). A crash
+    keeps what was saved, and the same call later resumes the run (resume): used, history, the ledger and the repeat
+    counts as they were (a "resumed" event marks the join), its deadline counting from its first start (less any
+    time paused). A decision the crash cut stays paid: the model is asked anew. A batch it cut is charged whole
+    (_cut): each call once, and each retry its saved "retry" events say was about to start; each call without an
+    observation is interrupted (retryable). Then what the last round waits for is asked about (settle: a job's end,
+    a write's outcome), the rest of a serial batch that waited for it runs, the resume is saved, and a round whose
+    observations say the run stopped stops it again. Before each call starts, the claim is checked: a fenced process
+    starts nothing. The config compared on resume holds the registry's names, costs, permissions, job flags and
+    schemas, and the limits: a tool's validate and description are not compared (a function cannot be)."""
 
-    Writes are opt in: without approve (and no write decided before), a tool that is not read-only is refused, as in
-    the article. With them, preflight lets a write through and the gate decides: once the budgets admitted a batch,
-    before any call of it starts, approve (a plain function of a copy of each write: call_id, name, arguments,
-    idempotency_key) is asked once per write and says "approve", "reject" or "ask"; anything else it returns, or
-    raises, is "ask". A rejected write stops the whole batch: each call is observed "rejected" (retryable, saying
-    which write was), nothing starts, and the model decides again. A write asked about pauses the run before
-    anything of its batch starts: awaiting_approval, with result["pending"]. The same call later with approvals=
-    {call_id: "approve" or "reject"} goes on with the calls as saved; approvals are kept until every pending write
-    has one; an approval for a call that is not pending (or no longer: checked again once the run is claimed) is a
-    ValueError, unless it is the verdict already saved; a call made more than Limits.approval_seconds after the write
-    was first asked about ends the run approval_expired, and nothing of the batch starts. approvals={} is none.
-
-    A batch with a write runs serially. A write whose tool raised ToolError, TemporaryError or PermissionError did
-    not apply; one that timed out, was cut by the deadline or a cancel, raised anything else, or was found handed
-    and not observed after a crash, has an unknown outcome. The tools' reconcile(call) is then awaited, bounded like
-    a call: {"applied": true, "data": plain data} is a success marked "reconciled"; {"applied": false} is not_applied
-    (retryable), and must stay true: a request with that key still on its way must never apply (OrderDesk refuses
-    it; FunctionTools does not ask while the write's thread runs); anything else leaves it unknown. A run with an
-    unknown write pauses, whatever stopped it (unknown_outcome, or the cancel or deadline that cut it), with
-    result["unknown"], and nothing after it in its batch starts; the next call settles it first."""
-
-    statuses = ("superseded", "store_failed", "awaiting_approval", "approval_expired", "unknown_outcome")
-    errors = ("interrupted", "rejected", "not_applied")  # interrupted: a call a crash cut, started or not
+    statuses = ("superseded", "store_failed")
+    errors = ("interrupted",)  # a call a crash cut, started or not
     options = ("store", "run_id", "approve", "approvals")
-    last = True  # it checks what the store holds for the run as the other parts made the run, then claims it
 
     @classmethod
     async def join(cls, run, given):
@@ -2228,16 +2235,13 @@ class _Journal(Part):
         if not isinstance(store, Store) or not all(callable(getattr(store, name, None)) for name in STORE_METHODS):
             raise ValueError("store must be a store, such as a SqliteStore")
         _checked_run_id(run_id)
-        if approve is not None and not _plain_function(approve):
-            raise ValueError("approve must be a plain function of a write's call")
-        if approvals is not None and (type(approvals) is not dict or not all(
-                type(cid) is str and type(verdict) is str and verdict in VERDICTS
-                for cid, verdict in approvals.items())):
-            raise ValueError("approvals must be a dict of call ids to 'approve' or 'reject'")
         store_id = getattr(store, "store_id", None)
-        if (approve is not None or approvals) and (type(store_id) is not str or not store_id):
-            raise ValueError("a store that runs writes needs a store_id of its own: their keys are made of it")
-        journal = cls(run, store, run_id, approve, dict(approvals or {}), store_id if type(store_id) is str else "")
+        store_id = store_id if type(store_id) is str else ""
+        # A run that may write (a write in its registry, a catalog's, approve or approvals given) keeps their fate.
+        writes = approve is not None or approvals is not None or run.registry_at is not None or any(
+            not spec.read_only for spec in run.registry.values())
+        journal = _Writes(run, store, run_id, store_id, approve, approvals) if writes else cls(run, store, run_id,
+                                                                                               store_id)
         await journal._open(run)
         return journal
 
@@ -2249,27 +2253,28 @@ class _Journal(Part):
             with contextlib.suppress(Exception):
                 await _off_the_loop(store, store.give_back, run_id, False)
 
-    def __init__(self, run, store, run_id, approve, approvals, store_id):
+    def __init__(self, run, store, run_id, store_id):
         self.store, self.run_id, self.store_id = store, run_id, store_id
-        self.approve, self.approvals = approve, approvals
         self.config = canonical(_integral({
             "limits": [getattr(run.limits, field.name) for field in dataclasses.fields(Limits)],
             "registry": {name: [spec.cost, spec.read_only, spec.parallel_safe, spec.job, spec.parameters]
                          for name, spec in run.registry.items()}}))
         self.holding, self.renewal, self.lost, self.unresumable, self.generation = False, None, None, False, None
-        self.given = set()  # the writes this process handed to their tool
+        self.given = set()  # the writes this process handed to their tool (_Writes)
 
     async def _open(self, run):
         """Load, check, claim, load and check again: a ValueError gives back a lease claim_next or the claim took."""
         try:
-            saved = await self._load(run)
-            self._check(run, saved)  # all that can refuse the run does so here, before a claim fences anyone
+            saved = await self._load(run)  # all that can refuse the run does so here, before a claim fences anyone
             if saved is None or saved["status"] is None:
                 # Claimed, then read again: what another process saved before the claim is this one's to go on from.
-                self.generation = await self._stored(self.store.claim, self.run_id, self.config, time.time())
+                try:
+                    self.generation = await _off_the_loop(self.store, self.store.claim, self.run_id, self.config,
+                                                          time.time())
+                except Exception as error:
+                    raise ValueError(f"{self.run_id}: the store failed: {_error_type(error)}") from None
                 self.holding = True
-                saved = await self._load(run)
-                self._check(run, saved)  # again: another process may have gone on with the run in between
+                saved = await self._load(run)  # again: another process may have gone on with the run in between
         except ValueError:  # refused: a lease taken for it goes back (a run this code cannot resume, set aside)
             if self.holding:
                 await self.close(run, None)
@@ -2286,21 +2291,17 @@ class _Journal(Part):
         self.paused = state["paused"] + (0.0 if since is None else max(0.0, time.time() - since))
         self.paused_at = None
         self.elapsed = max(0.0, time.time() - saved["started"] - self.paused) if saved and saved["started"] else 0.0
-        run.writes = self.approve is not None or bool(self.approvals) or bool(self.writes)  # writes are opt in
-
-    async def _stored(self, method, *args):
-        """A store's answer, off the loop; ValueError, naming the class of what it raised, if the store failed before
-        the run could start (a lock held, a broken file)."""
-        try:
-            return await _off_the_loop(self.store, method, *args)
-        except Exception as error:
-            raise ValueError(f"{self.run_id}: the store failed: {_error_type(error)}") from None
 
     async def _load(self, run):
-        """The run as saved, checked: ValueError for one of another version or config, or that is not such data."""
-        saved, why = await self._stored(self.store.load, self.run_id), None
-        registry = await run.seam("tools", dict(run.registry), saved["history"]) if _has_keys(saved, _SAVED_KEYS) \
-            and type(saved["history"]) is list else run.registry  # with what it loaded from a catalog, say
+        """The run as saved, checked: ValueError for one of another version or config, or that is not such data, or
+        if the store failed before the run could start (a lock held, a broken file)."""
+        try:
+            saved, why = await _off_the_loop(self.store, self.store.load, self.run_id), None
+        except Exception as error:
+            raise ValueError(f"{self.run_id}: the store failed: {_error_type(error)}") from None
+        registry = run.registry  # with what its history loaded from a catalog (PART 13), if the run has one
+        if run.registry_at is not None and _has_keys(saved, _SAVED_KEYS) and type(saved["history"]) is list:
+            registry = run.registry_at(saved["history"])
         if saved is not None and not _a_saved_run(saved, registry, run.limits):
             why = "what the store holds for it is not a run this version saved"
         elif saved is not None and saved["config"] not in (None, self.config):  # (None: cancelled before it began)
@@ -2310,33 +2311,16 @@ class _Journal(Part):
             raise ValueError(f"{self.run_id}: {why}")
         return saved
 
-    def _check(self, run, saved):
-        """Refuse, before the claim, what this run cannot go on with: tools that cannot serve its writes, approvals
-        for calls that wait for none."""
-        state = saved["state"] if saved else _NOTHING_SAVED
-        if self.approve is not None or self.approvals or state["writes"]:
-            tools = _unwrapped(run.tools)
-            check, reconcile = (getattr(type(tools), name, None) for name in ("check_writes", "reconcile"))
-            if check is not None:
-                writes = (name for name, spec in run.registry.items() if not spec.read_only and not spec.job)
-                check(tools, sorted(writes))  # (a job tool's work is a job worker's)
-            if reconcile is not None and _is_async(reconcile) is False:
-                raise ValueError("reconcile: the tools' reconcile must be async (FunctionTools takes a plain function)")
-        pending = {cid for cid, write in state["writes"].items()
-                   if write["verdict"] == "ask"} if state["waits"] == "approval" else set()
-        for cid, verdict in self.approvals.items():
-            if cid not in pending and state["writes"].get(cid, {}).get("verdict") != verdict:  # (given again: no news)
-                if saved and saved["status"] is not None:
-                    raise ValueError(f"{cid}: the run has ended, {saved['status']}: no write of it awaits approval")
-                raise ValueError(f"{cid}: not a write awaiting approval in this run")
-
-    # The seams.
+    # The seams, and what they save.
 
     async def resume(self, run, ended):
         """Put the saved run back into run's state, and say so; return the stored result if it has ended."""
-        self._renew_later()
+        seconds = getattr(self.store, "lease_seconds", None)
+        if self.holding and callable(getattr(self.store, "renew", None)) and type(seconds) in (int, float) \
+                and seconds > 0:
+            self.renewal = asyncio.get_running_loop().create_task(self._keep_lease(seconds / 3))
         saved = self.saved
-        if ended is not None or saved is None or not saved["trace"] and saved["state"]["used"] == _NOTHING_USED:
+        if saved is None or not saved["trace"] and saved["state"]["used"] == _NOTHING_USED:
             return ended  # new, or only claimed
         if saved["status"] is not None:  # ended: its result as stored, and nothing is asked of the model or the tools
             return _copy({"status": saved["status"], "answer": saved["answer"], "used": saved["state"]["used"],
@@ -2345,47 +2329,232 @@ class _Journal(Part):
         run.history.extend(saved["history"])
         run.trace.extend(saved["trace"])
         run.deadline -= self.elapsed  # a resumed run's time counts from its first start
-        run.registry = await run.seam("tools", run.registry, run.history)  # what its history may call (PART 13)
+        if run.registry_at is not None:
+            run.registry = run.registry_at(run.history)  # what its history may call (PART 13)
         refused = {event["round"] for event in run.trace if event["event"] == "refused"}
         for record in run.history:  # the ledger and the repeat counts, as they were: nothing is forgotten
             run.ids.update(item["call_id"] for item in record["calls"])
             if record["round"] not in refused:
                 run.attempts.update(_signature(item["name"], item["arguments"]) for item in record["calls"])
         self.saved_records, self.events = [_copy(record) for record in run.history[-1:]], len(run.trace)
+        self.resumed = True
         # Saved with its next step: what a resume settles first (a write's outcome, asked again) is asked even of a
         # run someone asked to cancel meanwhile, whose next save ends it.
         await run.emit({"event": "resumed", "round": run.used["rounds"], **run.used})
-        if not run.history:
-            return None
-        record = run.history[-1]
-        if self.waits == "approval":  # the batch that waited for approvals: its gate again, then the batch
-            await _act(run, record)
-            return None
-        self.waits = None
-        cut = record["calls"][len(record["observations"]):]
-        if cut:  # admitted, then the crash: any call of the rest may have started, and each retry kept did
-            retried = _retried(run.trace, record, cut)
-            run.used["calls"] += len(cut) + len(retried)
-            run.used["credits"] += _cost(run.registry, cut) + _cost(run.registry, retried)
-            record["observations"] += [self._interrupted(item) for item in cut]
+        record = run.history[-1] if run.history else None
+        observed, charged = _cut(record, run.trace, self.writes) if record and self.waits != "approval" else ((), ())
+        if observed:  # admitted, then the crash: any call of the rest may have started, and each retry kept did
+            run.used["calls"] += len(charged)
+            run.used["credits"] += _cost(run.registry, charged)
+            record["observations"] += observed
             await run.emit({"event": "observations", "round": record["round"], "ids": _ids(record),
                             "parallel": _parallel(run.registry, record["calls"]), **run.used})
-        await run.seam("settle", None, record)  # what a later part waits for, asked about (a job's end, PART 15)
-        await self._go_on(run, record)
-        await self._save(run)  # the resume, as it settled: a cancel asked for meanwhile ends the run here
-        _stop_if_fatal(record)  # a round that stopped the run stops it again
-        return None
+        return ended
 
-    async def spent(self, run, value):
-        await self._save(run)
+    async def settle(self, run, value):
+        """A resumed run's last round, once what it waited for was asked about: the rest of a serial batch that waited
+        for it runs; then the resume is saved (a cancel asked for meanwhile ends the run here), and a round that
+        stopped the run stops it again."""
+        if not getattr(self, "resumed", False) or not run.history:
+            return value
+        record, self.waits = run.history[-1], None
+        done = record["observations"]
+        aborted = [index for index, obs in enumerate(done) if obs.get("error") == "batch_aborted"]
+        if aborted and not any(map(_fatal, done[:aborted[0]])):
+            del done[aborted[0]:]  # settled: the calls that never started after it run now
+            await _act(run, record)
+        await self.save(run)
+        _stop_if_fatal(record)
         return value
 
-    async def retry(self, run, value, item):
-        """A read's retry about to start: its "retry" event saved first, with used as it stood between calls (the
-        attempts in flight are not in it), so that a resume charges the cut calls once each and this retry too.
-        Attempts traces and saves one retry at a time: a save never carries a retry that is not its own."""
-        await self._save(run, used=self.kept)
+    async def save(self, run, value=None, end=None, used=None):
+        """Save what changed since the last save (the run's end too), in one transaction; else Stop("superseded") if
+        another process has claimed the run since, Stop("store_failed") if the store failed: nothing more is saved.
+        used, if given, is saved in place of run.used (a retry's save: see retry)."""
+        if self.lost is not None:
+            raise self.lost
+        # The records that changed since the last save: the new ones, and the last one saved if it gained observations.
+        first = len(run.history) - len(self.saved_records) if self.saved_records else 0
+        records = [record for record in run.history[max(first, 0):] if record not in self.saved_records]
+        state = {"used": run.used if used is None else used, "paused": self.paused, "paused_at": self.paused_at,
+                 "asked_at": self.asked_at, "waits": self.waits, "writes": self.writes}
+        events = len(run.trace)
+        try:
+            await _off_the_loop(self.store, self.store.save, self.run_id, self.generation, _copy(state),
+                                _copy(records), _copy(run.trace[self.events:events]), end)
+        except Exception as error:  # Superseded, or the database's own error (a full disk, a lock held too long)
+            raise self._refused(error) from None
+        self.saved_records, self.events = [_copy(record) for record in run.history[-1:]], events
+        self.kept = self.kept if used is not None else _copy(state["used"])
+        self.holding = self.holding and end is None and self.paused_at is None  # an end or a pause lets it go
         return value
+
+    spent = save  # a step that spends is saved at once
+
+    async def retry(self, run):
+        """A read's retry about to start (PART 12): its "retry" event saved first, with used as it stood between calls
+        (the attempts in flight are not in it), so that a resume charges the cut calls once each and this retry too."""
+        await self.save(run, used=self.kept)
+
+    async def before_call(self, run, call, item):
+        """Stop("superseded") if this process holds the run no longer (or a cancel was asked for)."""
+        if self.lost is None:
+            try:
+                await _off_the_loop(self.store, self.store.claimed, self.run_id, self.generation)
+            except Exception as error:
+                raise self._refused(error) from None
+        if self.lost is not None:
+            raise self.lost
+        return call
+
+    async def named(self, run, names):
+        return {**names, "run_id": self.run_id}
+
+    async def end(self, run, result):
+        """The end saved, or a pause: for approvals, for jobs, or while a write's outcome is unknown, whatever stopped
+        the run (a cancel or the deadline that cut a write does not end it: the next call settles it, and goes on)."""
+        if self.lost is not None:
+            return _unsaved_end(result, self.lost)
+        status = result["status"]
+        self.waits = "approval" if status == "awaiting_approval" else "outcome" if "unknown" in result else \
+            status if status in _declared("pauses") else None
+        if "pending" in result and self.waits not in ("approval", status):  # it ends, or pauses for something else
+            result = _not_pending(run, result)
+        if self.waits is None and run.history:  # an end: a call of its last batch that never started was overtaken
+            record = run.history[-1]
+            record["observations"] += [_failure(item, status, False) for item in
+                                       record["calls"][len(record["observations"]):]]
+            result["history"][-1] = _copy(record)
+        if self.waits is not None:
+            self.paused_at = time.time()  # a pause: its time is not counted against the run's
+        try:
+            await self.save(run, end=None if self.waits else (status, result["answer"]))
+        except Stop as stop:
+            if self.lost is not None:
+                return _unsaved_end(result, self.lost)
+            # A cancel was asked for meanwhile (SqlStore.cancel_run): the run ends cancelled, and that end is saved.
+            result, self.waits, self.paused_at = _unsaved_end(result, stop), None, None
+            run.trace[-1] = result["trace"][-1]
+            try:
+                await self.save(run, end=("cancelled", None))
+            except Stop:
+                return _unsaved_end(result, self.lost or stop)
+        return result
+
+    async def close(self, run, value):
+        """When run_agent returns, or is cut: renew no more, and let a lease still held go (an ended run's is), unless
+        a write may still be running (its task's cancel cut it): then the lease runs out."""
+        if self.renewal is not None:
+            self.renewal.cancel()
+        observed = {obs["call_id"] for record in run.history for obs in record["observations"]}
+        release = getattr(self.store, "release", None)
+        if self.holding and self.lost is None and callable(release) and not self.given - observed:
+            self.holding = False
+            with contextlib.suppress(Exception):  # not let go, it runs out
+                await _off_the_loop(self.store, release, self.run_id, self.generation)
+        return value
+
+    def _refused(self, error):
+        """The stop of what the store refused: a cancel someone asked for (the run's end is still saved, as
+        cancelled), or a lost run (superseded, store_failed), after which nothing more is saved."""
+        stop = _lost(error)
+        if str(stop) != "cancelled":
+            self.lost = stop
+        return stop
+
+    async def _keep_lease(self, seconds):
+        """Renew the lease every `seconds`, off the loop, while the run holds it: a run that waits long keeps it. A
+        renewal that fails (fenced, or the store failed) stops the run at its next step, and renews no more."""
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await _off_the_loop(self.store, self.store.renew, self.run_id, self.generation)
+            except Exception as error:
+                self.lost = _lost(error)
+                return
+
+
+class _Writes(_Journal):
+    """The journal of a named run that may write: run_agent(..., store, run_id, approve=policy, approvals={...}).
+
+    Writes are opt in: without approve (and no write decided before), a tool that is not read-only is refused, as in
+    the article. With them, preflight lets a write through and the gate decides: once the budgets admitted a batch,
+    before any call of it starts, approve (a plain function of a copy of each write: call_id, name, arguments,
+    idempotency_key) is asked once per write and says "approve", "reject" or "ask"; anything else it returns, or
+    raises, is "ask". A rejected write stops the whole batch: each call is observed "rejected" (retryable, saying
+    which write was), nothing starts, and the model decides again. A write asked about pauses the run before
+    anything of its batch starts: awaiting_approval, with result["pending"]. The same call later with approvals=
+    {call_id: "approve" or "reject"} goes on with the calls as saved; approvals are kept until every pending write
+    has one; an approval for a call that is not pending (or no longer: checked again once the run is claimed) is a
+    ValueError, unless it is the verdict already saved; a call made more than Limits.approval_seconds after the write
+    was first asked about ends the run approval_expired, and nothing of the batch starts. approvals={} is none. Each
+    write's verdict is saved before any call of its batch starts, and the write as handed to its tool, in a
+    transaction of its own, before the tool has it: it gets its idempotency_key.
+
+    A batch with a write runs serially. A write whose tool raised ToolError, TemporaryError or PermissionError did
+    not apply; one that timed out, was cut by the deadline or a cancel, raised anything else, or was found handed
+    and not observed after a crash, has an unknown outcome. The tools' reconcile(call) is then awaited, bounded like
+    a call: {"applied": true, "data": plain data} is a success marked "reconciled"; {"applied": false} is not_applied
+    (retryable), and must stay true: a request with that key still on its way must never apply (FunctionTools does
+    not ask while the write's thread runs); anything else leaves it unknown. A run with an unknown write pauses,
+    whatever stopped it (unknown_outcome, or the cancel or deadline that cut it), with result["unknown"], and nothing
+    after it in its batch starts; the next call settles it first (settle)."""
+
+    statuses = ("awaiting_approval", "approval_expired", "unknown_outcome")
+    errors = ("rejected", "not_applied")
+
+    @classmethod
+    async def join(cls, run, given):
+        return None  # it joins as the journal of a run that may write (_Journal.join), with the journal's options
+
+    def __init__(self, run, store, run_id, store_id, approve, approvals):
+        if approve is not None and not _plain_function(approve):
+            raise ValueError("approve must be a plain function of a write's call")
+        if approvals is not None and (type(approvals) is not dict or not all(
+                type(cid) is str and type(verdict) is str and verdict in VERDICTS
+                for cid, verdict in approvals.items())):
+            raise ValueError("approvals must be a dict of call ids to 'approve' or 'reject'")
+        if (approve is not None or approvals) and not store_id:
+            raise ValueError("a store that runs writes needs a store_id of its own: their keys are made of it")
+        super().__init__(run, store, run_id, store_id)
+        self.approve, self.approvals = approve, dict(approvals or {})
+
+    async def _load(self, run):
+        """The run as saved, checked as the journal checks it; then refused, before the claim, if this run cannot go on
+        with it: tools that cannot serve its writes, approvals for calls that wait for none."""
+        saved = await super()._load(run)
+        state = saved["state"] if saved else _NOTHING_SAVED
+        if self.approve is not None or self.approvals or state["writes"]:
+            check, reconcile = _asked(run.tools, "check_writes"), _asked(run.tools, "reconcile")
+            if check is not None:
+                check(sorted(name for name, spec in run.registry.items() if not spec.read_only and not spec.job))
+            if reconcile is not None and _is_async(reconcile) is False:  # (a job tool's work is a job worker's)
+                raise ValueError("reconcile: the tools' reconcile must be async (FunctionTools takes a plain function)")
+        pending = {cid for cid, write in state["writes"].items()
+                   if write["verdict"] == "ask"} if state["waits"] == "approval" else set()
+        for cid, verdict in self.approvals.items():
+            if cid not in pending and state["writes"].get(cid, {}).get("verdict") != verdict:  # (given again: no news)
+                if saved and saved["status"] is not None:
+                    raise ValueError(f"{cid}: the run has ended, {saved['status']}: no write of it awaits approval")
+                raise ValueError(f"{cid}: not a write awaiting approval in this run")
+        run.writes = self.approve is not None or bool(self.approvals) or bool(state["writes"])  # writes are opt in
+        return saved
+
+    async def settle(self, run, value):
+        """A resumed run's last round: the batch that waited for approvals goes to its gate again; each write whose
+        outcome is unknown is asked about again; then the journal goes on with the round."""
+        if not getattr(self, "resumed", False) or not run.history:
+            return value
+        record = run.history[-1]
+        if self.waits == "approval":  # its gate again, then the batch
+            await _act(run, record)
+            return value
+        for index, (item, obs) in enumerate(zip(record["calls"], record["observations"])):
+            if obs.get("error") == "unknown_outcome":  # asked again, with the same key, even past the deadline
+                record["observations"][index] = known = await self._reconciled(run, item, settling=True)
+                await run.emit({"event": "reconciled", "round": record["round"], "call_id": item["call_id"],
+                                "outcome": "applied" if known["ok"] else known["error"], **run.used}, spent=True)
+        return await super().settle(run, value)
 
     async def gate(self, run, observations, record, calls):
         """The writes' gate: their verdicts, once each, before any call of the batch starts."""
@@ -2406,19 +2575,13 @@ class _Journal(Part):
             self.asked_at, self.waits = self.asked_at or time.time(), "approval"
             raise Stop("awaiting_approval", reason="a write awaits approval")
         self.asked_at = self.waits = None
-        await self._save(run)  # the verdicts, kept before the first call of the batch starts
+        await self.save(run)  # the verdicts, kept before the first call of the batch starts
         return None
 
     async def before_call(self, run, call, item):
-        """Stop("superseded") if this process holds the run no longer; a write is saved as handed to its tool (its
-        approval used) in a transaction of its own, then gets its key."""
-        if self.lost is None:
-            try:
-                await _off_the_loop(self.store, self.store.claimed, self.run_id, self.generation)
-            except Exception as error:
-                raise self._refused(error) from None
-        if self.lost is not None:
-            raise self.lost
+        """The claim checked; a write saved as handed to its tool (its approval used) in a transaction of its own,
+        then given its key."""
+        call = await super().before_call(run, call, item)
         if run.registry[item["name"]].read_only:
             return call
         cid, key = item["call_id"], idempotency_key(self.run_id, item["call_id"], self.store_id)
@@ -2441,85 +2604,8 @@ class _Journal(Part):
             "verdict") == "ask"] if record and self.waits == "approval" else []
         unknown = [self._call(item) for item, obs in zip(record["calls"], record["observations"])
                    if obs.get("error") == "unknown_outcome"] if record else []
-        return {**names, "run_id": self.run_id, **({"pending": pending} if pending else {}),
+        return {**await super().named(run, names), **({"pending": pending} if pending else {}),
                 **({"unknown": unknown} if unknown else {})}
-
-    async def end(self, run, result):
-        """The end saved, or a pause: for approvals, or while a write's outcome is unknown, whatever stopped the run
-        (a cancel or the deadline that cut a write does not end it: the next call settles the write, and goes on)."""
-        if self.lost is not None:
-            return _unsaved_end(result, self.lost)
-        status = result["status"]
-        self.waits = "approval" if status == "awaiting_approval" else "outcome" if "unknown" in result else \
-            status if status in _declared("pauses") else None
-        if self.waits not in ("approval", status):  # an end, or another pause: nothing of it waits for approval
-            result = _not_pending(run, result)
-        if self.waits is None and run.history:  # an end: a call of its last batch that never started was overtaken
-            record = run.history[-1]
-            record["observations"] += [_failure(item, status, False) for item in
-                                       record["calls"][len(record["observations"]):]]
-            result["history"][-1] = _copy(record)
-        if self.waits is not None:
-            self.paused_at = time.time()  # a pause: its time is not counted against the run's
-        try:
-            await self._save(run, None if self.waits else (status, result["answer"]))
-        except Stop as stop:
-            if self.lost is not None:
-                return _unsaved_end(result, self.lost)
-            # A cancel was asked for meanwhile (SqlStore.cancel_run): the run ends cancelled, and that end is saved.
-            result, self.waits, self.paused_at = _unsaved_end(result, stop), None, None
-            run.trace[-1] = result["trace"][-1]
-            try:
-                await self._save(run, ("cancelled", None))
-            except Stop:
-                return _unsaved_end(result, self.lost or stop)
-        return result
-
-    async def close(self, run, value):
-        """When run_agent returns, or is cut: renew no more, and let a lease still held go (an ended run's is), unless
-        a write may still be running (its task's cancel cut it): then the lease runs out."""
-        if self.renewal is not None:
-            self.renewal.cancel()
-        observed = {obs["call_id"] for record in run.history for obs in record["observations"]}
-        release = getattr(self.store, "release", None)
-        if self.holding and self.lost is None and callable(release) and not self.given - observed:
-            self.holding = False
-            with contextlib.suppress(Exception):  # not let go, it runs out
-                await _off_the_loop(self.store, release, self.run_id, self.generation)
-        return value
-
-    # The journal's own steps.
-
-    def _state(self, run):
-        return {"used": run.used, "paused": self.paused, "paused_at": self.paused_at, "asked_at": self.asked_at,
-                "waits": self.waits, "writes": self.writes}
-
-    async def _save(self, run, end=None, used=None):
-        """Save what changed since the last save (the run's end too), in one transaction; else Stop("superseded") if
-        another process has claimed the run since, Stop("store_failed") if the store failed: nothing more is saved.
-        used, if given, is saved in place of run.used (a retry's save: see retry)."""
-        if self.lost is not None:
-            raise self.lost
-        # The records that changed since the last save: the new ones, and the last one saved if it gained observations.
-        first = len(run.history) - len(self.saved_records) if self.saved_records else 0
-        records = [record for record in run.history[max(first, 0):] if record not in self.saved_records]
-        state, events = {**self._state(run), "used": run.used if used is None else used}, len(run.trace)
-        try:
-            await _off_the_loop(self.store, self.store.save, self.run_id, self.generation, _copy(state),
-                                _copy(records), _copy(run.trace[self.events:events]), end)
-        except Exception as error:  # Superseded, or the database's own error (a full disk, a lock held too long)
-            raise self._refused(error) from None
-        self.saved_records, self.events = [_copy(record) for record in run.history[-1:]], events
-        self.kept = self.kept if used is not None else _copy(state["used"])
-        self.holding = self.holding and end is None and self.paused_at is None  # an end or a pause lets it go
-
-    def _refused(self, error):
-        """The stop of what the store refused: a cancel someone asked for (the run's end is still saved, as
-        cancelled), or a lost run (superseded, store_failed), after which nothing more is saved."""
-        stop = _lost(error)
-        if str(stop) != "cancelled":
-            self.lost = stop
-        return stop
 
     async def _verdict(self, run, record, item):
         """The verdict on one write: yours if you gave one, else the saved one, else the policy's, asked once."""
@@ -2540,33 +2626,13 @@ class _Journal(Part):
         """A write as the gate, the tool and reconcile see it: a copy of the call, and its idempotency_key."""
         return {**_copy(item), "idempotency_key": idempotency_key(self.run_id, item["call_id"], self.store_id)}
 
-    def _interrupted(self, item):
-        """The observation of a call a crash cut: a write handed to its tool may have applied; any other call may
-        have started, or not."""
-        if self.writes.get(item["call_id"], {}).get("started"):
-            return _failure(item, "unknown_outcome", False, reason="the write may have applied")
-        return _failure(item, "interrupted", True)
-
-    async def _go_on(self, run, record):
-        """What else a resumed run does with its last round before it decides again: each write whose outcome is
-        unknown is asked about again; once all are settled, the calls of the batch that never started after them run."""
-        done = record["observations"]
-        for index, (item, obs) in enumerate(zip(record["calls"], done)):
-            if obs.get("error") == "unknown_outcome":  # asked again, with the same key, even past the deadline
-                done[index] = known = await self._reconciled(run, item, settling=True)
-                await run.emit({"event": "reconciled", "round": record["round"], "call_id": item["call_id"],
-                                "outcome": "applied" if known["ok"] else known["error"], **run.used}, spent=True)
-        aborted = [index for index, obs in enumerate(done) if obs.get("error") == "batch_aborted"]
-        if aborted and not any(map(_fatal, done[:aborted[0]])):
-            del done[aborted[0]:]  # settled: the calls that never started after it run now
-            await _act(run, record)
-
     async def _reconciled(self, run, item, settling):
         """What reconcile says of a write whose outcome is unknown: applied, not applied, or still unknown. It is
         bounded by tool_seconds and the run's time left and cancel; settling a write on resume, by tool_seconds
-        alone."""
-        reconcile, said, call = getattr(run.tools, "reconcile", None), None, self._call(item)
-        if callable(reconcile):
+        alone. A write a later part serves itself (a job's) is that part's to settle: nothing is asked here."""
+        reconcile = None if item["name"] in run.serves else _asked(run.tools, "reconcile")
+        said, call = None, self._call(item)
+        if reconcile is not None:
             try:
                 if settling:
                     said = await bounded(lambda: reconcile(call), run.limits.tool_seconds, asyncio.Event())
@@ -2582,61 +2648,20 @@ class _Journal(Part):
             return _failure(item, "not_applied", True, reason="reconcile says it did not apply")
         return _failure(item, "unknown_outcome", False, reason="the write may have applied: reconcile could not tell")
 
-    def _renew_later(self):
-        """While the run holds a lease, renew it every third of it, off the loop: a run that waits long keeps it."""
-        seconds = getattr(self.store, "lease_seconds", None)
-        if self.holding and self.lost is None and callable(getattr(self.store, "renew", None)) and \
-                type(seconds) in (int, float) and seconds > 0:
-            self.renewal = asyncio.get_running_loop().create_task(self._renew(seconds / 3))
 
-    async def _renew(self, seconds):
-        await asyncio.sleep(seconds)
-        try:
-            await _off_the_loop(self.store, self.store.renew, self.run_id, self.generation)
-        except Exception as error:  # fenced, or the store failed: the run stops at its next step, renewing no more
-            self.lost = _lost(error)
-            return
-        self._renew_later()
-
-
-def _cancellable(record, state, config, events):
-    """A saved run's last round (an empty one if it has none), its state, its tools' costs (name: cost) and its
-    trace, read from their stored text for cancel_run; None for what a store does not write (a hand-edited one)."""
-    try:
-        record = json.loads(record) if record else {"round": 0, "calls": [], "observations": []}
-        state = {"writes": {}, **(json.loads(state) if state else _NOTHING_SAVED)}
-        costs = {name: spec[0] for name, spec in (json.loads(config)["registry"] if config else {}).items()}
-        trace = [json.loads(body) for body in events]
-    except (TypeError, ValueError, LookupError, AttributeError):
-        return None
-
-    def ints(*values):
-        return all(type(value) is int for value in values)
-
-    fits = (type(record) is dict and type(record.get("calls")) is list and type(record.get("observations")) is list
-            and ints(record.get("round")) and len(record["observations"]) <= len(record["calls"])
-            and all(type(item) is dict and type(item.get("call_id")) is str and type(item.get("name")) is str
-                    for item in record["calls"])
-            and type(state["writes"]) is dict and all(type(write) is dict for write in state["writes"].values())
-            and type(state.get("used")) is dict and ints(*(state["used"].get(key) for key in _NOTHING_USED))
-            and ints(*costs.values()))
-    return (record, state, costs, trace) if fits else None
-
-
-def _retried(trace, record, cut):
-    """The calls of record's round among cut whose retry a saved "retry" event says was about to start, once per
-    retry (PART 12): each was charged before it started."""
-    cut = {item["call_id"]: item for item in cut}
-    return [cut[event["call_id"]] for event in trace if type(event) is dict and event.get("event") == "retry"
-            and event.get("round") == record["round"] and type(event.get("call_id")) is str and event["call_id"] in cut]
-
-
-def _unwrapped(tools):
-    """The tools object a wrapper wraps, innermost: one whose class says wrapper = True keeps it as its inner (a
-    Timeline's does). What a tools object says of writes (check_writes, reconcile) is its innermost's."""
-    while getattr(type(tools), "wrapper", False) is True and "inner" in getattr(tools, "__dict__", {}):
-        tools = tools.inner
-    return tools
+def _cut(record, trace, writes):
+    """What becomes of a batch a crash cut: (the observation of each call of record that has none, the calls it is
+    charged for). Any of them may have started: a write saved as handed to its tool has an unknown outcome, any other
+    call is interrupted (retryable). Each is charged once, and once more for each retry its saved "retry" events say
+    was about to start (PART 12): a resume, cancel_run and the check of a saved run charge alike."""
+    cut = {item["call_id"]: item for item in record["calls"][len(record["observations"]):]}
+    retried = [cut[event["call_id"]] for event in trace if type(event) is dict and event.get("event") == "retry"
+               and event.get("round") == record["round"] and type(event.get("call_id")) is str
+               and event["call_id"] in cut]
+    observed = [_failure(item, "unknown_outcome", False, reason="the write may have applied")
+                if writes.get(cid, {}).get("started") else _failure(item, "interrupted", True)
+                for cid, item in cut.items()]
+    return observed, [*cut.values(), *retried]
 
 
 def _checked_run_id(run_id):
@@ -2646,8 +2671,6 @@ def _checked_run_id(run_id):
 
 def _not_pending(run, result):
     """The result, and its stop event, without "pending": the run ends, or pauses for something else."""
-    if "pending" not in result:
-        return result
     stop = {key: value for key, value in result["trace"][-1].items() if key != "pending"}
     run.trace[-1] = _copy(stop)
     return {**{key: value for key, value in result.items() if key != "pending"}, "trace": [*result["trace"][:-1], stop]}
@@ -2726,8 +2749,8 @@ def _a_saved_run(saved, registry, limits):
     if (last["round"] not in refused or cut) and any(item["name"] not in registry or type(item["arguments"]) is not
                                                      dict for item in last["calls"]):
         return False
-    cut += _retried(trace, last, cut)  # charged on resume too
-    return used["calls"] + len(cut) <= limits.calls and used["credits"] + _cost(registry, cut) <= limits.credits
+    _, charged = _cut(last, trace, state["writes"])  # as a resume charges it
+    return used["calls"] + len(charged) <= limits.calls and used["credits"] + _cost(registry, charged) <= limits.credits
 
 
 def _a_saved_observation(obs, item, registry):
@@ -2804,6 +2827,37 @@ def _on_its_thread(method):
             return method(store, *args, **options)
         return store._thread.submit(partial(method, **options), store, *args).result()
     return on_its_thread
+
+
+def _waits_off_its_thread(method):
+    """Mark a store's method that waits between its statements (a claim that tries again while a row is locked): the
+    store's thread serves the other runs' saves and renewals meanwhile."""
+    method.waits_off_its_thread = True
+    return method
+
+
+def _cancellable(record, state, config, events):
+    """A saved run's last round (an empty one if it has none), its state, its tools' costs (name: cost) and its
+    trace, read from their stored text for cancel_run; None for what a store does not write (a hand-edited one)."""
+    try:
+        record = json.loads(record) if record else {"round": 0, "calls": [], "observations": []}
+        state = {"writes": {}, **(json.loads(state) if state else _NOTHING_SAVED)}
+        costs = {name: spec[0] for name, spec in (json.loads(config)["registry"] if config else {}).items()}
+        trace = [json.loads(body) for body in events]
+    except (TypeError, ValueError, LookupError, AttributeError):
+        return None
+
+    def ints(*values):
+        return all(type(value) is int for value in values)
+
+    fits = (type(record) is dict and type(record.get("calls")) is list and type(record.get("observations")) is list
+            and ints(record.get("round")) and len(record["observations"]) <= len(record["calls"])
+            and all(type(item) is dict and type(item.get("call_id")) is str and type(item.get("name")) is str
+                    for item in record["calls"])
+            and type(state["writes"]) is dict and all(type(write) is dict for write in state["writes"].values())
+            and type(state.get("used")) is dict and ints(*(state["used"].get(key) for key in _NOTHING_USED))
+            and ints(*costs.values()))
+    return (record, state, costs, trace) if fits else None
 
 
 class SqlStore(Store):
@@ -3166,10 +3220,9 @@ class SqlStore(Store):
             if saved is None:  # not what a store writes: the run's resume sets it aside, saying so
                 raise ValueError(f"{run_id}: what the store holds for it is not a run this version saved")
             record, state, costs, trace = saved
-            cut = record["calls"][len(record["observations"]):]
-            crashed = bool(cut) and row[2] != "approval"  # a crash cut the batch: any call of it may have started
-            unknown = crashed and any(state["writes"].get(item["call_id"], {}).get("started") or
-                                      item["name"] not in costs for item in cut)
+            observed, charged = _cut(record, trace, state["writes"])  # as the run's resume would
+            crashed = bool(observed) and row[2] != "approval"  # a crash cut the batch: any call of it may have started
+            unknown = crashed and any(obs["error"] == "unknown_outcome" or obs["name"] not in costs for obs in observed)
             # A worker holds it, a write may have applied (a crash cut it once handed to its tool, or it waits for its
             # outcome), or a cut call's cost is the catalog's, unknown here: the cancel is asked (the first asker
             # kept), and the run ends cancelled at its next save, once its resume settled and charged what it must.
@@ -3177,12 +3230,12 @@ class SqlStore(Store):
                 self._sql("UPDATE agent_loop_runs SET cancel = COALESCE(cancel, ?) WHERE run_id = ?", (by, run_id))
                 return "cancel_requested"
             if crashed:  # charged as its resume would: each call once and each retry saved, at its saved cost
-                charged, used = cut + _retried(trace, record, cut), state["used"]
+                used = state["used"]
                 state = {**state, "used": {**used, "calls": used["calls"] + len(charged), "credits": used["credits"] +
                                            sum(costs[item["name"]] for item in charged)}}
-            if cut:  # a crash cut it, or it waited for approvals: then none of it started
-                record["observations"] += [{**item, "ok": False, "error": "interrupted" if crashed else "cancelled",
-                                            "retryable": crashed} for item in cut]
+            if observed:  # a crash cut it (interrupted), or it waited for approvals: then none of it started
+                record["observations"] += observed if crashed else [
+                    _failure(obs, "cancelled", False) for obs in observed]
                 self._sql("UPDATE agent_loop_records SET body = ? WHERE run_id = ? AND round = ?",
                           (json.dumps(record), run_id, record["round"]))
             stop = {"event": "stop", "status": "cancelled", **state["used"], "by": row[4] or by, "run_id": run_id}
@@ -3776,6 +3829,7 @@ class Attempts(Part):
 
         self.started = started  # counted by after_call, which only an attempt that started reaches
         self.retrying = asyncio.Lock()  # one retry at a time is traced and saved
+        journal = next((part for part in run.parts if isinstance(part, _Journal)), None)  # a named run's (PART 10)
 
         async def tried(item):
             spec, attempt_number, last = run.registry[item["name"]], 1, None
@@ -3788,8 +3842,8 @@ class Attempts(Part):
                             event = {"event": "retry", "round": run.history[-1]["round"], "call_id": item["call_id"],
                                      "attempt": attempt_number, "after": last["error"], **run.used}
                             run.trace.append(event)
-                            try:
-                                await run.seam("retry", None, item)  # a named run keeps its charge before it starts
+                            try:  # a named run keeps its charge before it starts
+                                await journal.retry(run) if journal is not None else None
                             except Stop:  # refused (fenced, failed, a cancel): the run stops at its next save
                                 del run.trace[next(i for i, kept in enumerate(run.trace) if kept is event)]
                                 return last
@@ -3859,6 +3913,14 @@ def _granted(grants):
     """The grants as they stand: the set given, or what the function returns now (nothing, if it fails)."""
     said = _plain_call(grants) if callable(grants) else grants
     return frozenset(said) if type(said) in (set, frozenset) and all(type(g) is str for g in said) else frozenset()
+
+
+def _checked_catalog(catalog, grants):
+    """ValueError unless catalog is a Catalog, and grants a set of permissions or a plain function that gives one."""
+    if not isinstance(catalog, Catalog):
+        raise ValueError("catalog must be a Catalog, given with its grants")
+    if not _plain_function(grants):
+        _grants(grants)
 
 
 class Catalog:
@@ -3975,10 +4037,26 @@ class Catalog:
             if name not in self.entries or self.entries[name].permission not in grants:
                 continue  # hidden now (or gone): never named in a request
             with contextlib.suppress(ValueError, KeyError):  # a definition a hand-edited store spoilt is not offered
-                spec = ToolSpec(1, definition["effect"] == "read", False, description=definition["description"],
-                                parameters=definition["parameters"])
-                offered[name] = _checked_registry({name: spec})[name]
+                offered[name] = _checked_registry({name: _told_spec(definition)})[name]
         return offered
+
+    def requests(self, registry, grants):
+        """What a bridge (PART 8) given this catalog asks before each request: a function of history that gives the
+        tools the request offers beside registry's (the catalog's two, and those history loaded while their grant
+        holds, the grants read once a request) and history as shown() cuts it. ValueError for grants that are not
+        the run's, or a registry that has a name of the catalog's own tools."""
+        if grants is None:
+            raise ValueError("grants: a bridge given a catalog needs the run's grants too")
+        _checked_catalog(self, grants)
+        clash = [name for name in registry if name in CATALOG_TOOLS]
+        if clash:
+            raise ValueError(f"{clash[0]}: a name of the catalog's own tools, in the registry")
+
+        def request(history):
+            now = _granted(grants)
+            return {name: spec for name, spec in self.offered(history, now).items() if name not in registry}, \
+                self.shown(history, now)
+        return request
 
     def shown(self, history, grants):
         """history as a request replays it to a model: each search's candidates, each load's definitions and the names
@@ -4033,8 +4111,9 @@ _CATALOG_SPECS = {
 
 
 def _told_spec(told):
-    """A ToolSpec of a loaded definition: a tool the catalog no longer holds, so that a run that loaded it resumes
-    (its cut call charged nothing: its cost is unknown now; its next call, unknown_tool at the gate)."""
+    """A ToolSpec of a loaded definition, as the model was told it: what a request offers, and what a run that loaded
+    a tool the catalog no longer holds resumes with (its cut call charged nothing: its cost is unknown now; its next
+    call, unknown_tool at the gate)."""
     return ToolSpec(0, told["effect"] == "read", False, description=told["description"], parameters=told["parameters"])
 
 
@@ -4092,49 +4171,49 @@ class _CatalogRun(Part):
         catalog, grants = given["catalog"], given["grants"]
         if catalog is None and grants is None:
             return None
-        if not isinstance(catalog, Catalog):
-            raise ValueError("catalog must be a Catalog, given with its grants")
-        if not _plain_function(grants):
-            _grants(grants)
+        _checked_catalog(catalog, grants)
         clash = [name for name in run.registry if name in catalog.entries or name in CATALOG_TOOLS]
         if clash:
             raise ValueError(f"{clash[0]}: a name of the registry's and of the catalog's alike")
-        # What the tools object can say of the registry's tools (FunctionTools: a function each, a write's key), it
-        # says of every entry of the catalog's too: before the model is asked, not when a loaded one is first called.
-        entries = {name: entry.spec for name, entry in catalog.entries.items()}
-        tools = _unwrapped(run.tools)
-        check, writes = getattr(type(tools), "check_registry", None), getattr(type(tools), "check_writes", None)
-        if check is not None:
-            check(tools, entries)
-        if writes is not None:
-            writes(tools, sorted(name for name, spec in entries.items() if not spec.read_only))
         part = cls()
         part.catalog, part.grants, part.base, part.loaded, part.offered = catalog, grants, dict(run.registry), {}, False
-        part.functions = tools  # what runs a loaded tool, asked again of each entry a load names (_CatalogRun.runs)
+        part.tools_of = run.tools  # what runs a loaded tool, asked of each entry (runs)
+        # What the tools object can say of the registry's tools (FunctionTools: a function each, a write's key), it
+        # says of every entry of the catalog's too: before the model is asked, not when a loaded one is first called.
+        part._serve({name: entry.spec for name, entry in catalog.entries.items()})
         part.now = _granted(grants)
         run.registry.update(_CATALOG_SPECS)
+        run.registry_at = part.registry_at  # what a history the journal holds may call (PART 10)
         return part
 
-    async def resume(self, run, ended):
-        run.tools = _innermost(run.tools, partial(_CatalogTools, self))  # its two tools are the catalog's
-        return ended
+    async def serves(self, run, tools):
+        """The catalog's two tools, which it answers itself under the grants of their batch."""
+        return {**tools, "search_tools": self._search, "load_tools": self._load}
 
-    async def tools(self, run, registry, history):
+    def registry_at(self, history):
         """The registry, and each tool this history loaded that the catalog still has: as the version it loaded, if
         the catalog still knows it (its cost is what a batch cut by a crash is charged), else as it stands now."""
         entries, versions = self.catalog.entries, self.catalog.versions
-        return {**registry, **{name: versions.get(name, {}).get(told["digest"]) or (
+        return {**self.base, **_CATALOG_SPECS, **{name: versions.get(name, {}).get(told["digest"]) or (
             entries[name].spec if name in entries else _told_spec(told))  # retired since: as told, charged nothing
-            for name, told in _loaded(history).items() if name not in registry}}
+            for name, told in _loaded(history).items() if name not in self.base}}
 
     async def offer(self, run, value):
         """The grants read again; the tools this run loaded, and the gate that checks each call of one."""
         self.now, self.loaded, self.offered = _granted(self.grants), _loaded(run.history), True
         for told in self.loaded.values():  # what this run loaded, the catalog gave out (in this process or before)
             self.catalog._given(told)
-        run.registry = await self.tools(run, {**self.base, **_CATALOG_SPECS}, run.history)
+        run.registry = self.registry_at(run.history)
         run.authorize = self.authorize
         return value
+
+    def _serve(self, entries):
+        """ValueError if the run's tools cannot serve these entries of the catalog (check_registry, check_writes)."""
+        check, writes = _asked(self.tools_of, "check_registry"), _asked(self.tools_of, "check_writes")
+        if check is not None:
+            check(entries)
+        if writes is not None:
+            writes(sorted(name for name, spec in entries.items() if not spec.read_only))
 
     def runs(self, name):
         """False for an entry this run cannot run as the catalog's tool: a name of its own registry, or one its tools
@@ -4145,13 +4224,8 @@ class _CatalogRun(Part):
             return True
         if name in self.base:
             return False
-        check = getattr(type(self.functions), "check_registry", None)
-        writes = getattr(type(self.functions), "check_writes", None)
         try:
-            if check is not None:
-                check(self.functions, {name: entry.spec})
-            if writes is not None and not entry.spec.read_only:
-                writes(self.functions, [name])
+            self._serve({name: entry.spec})
         except Exception:  # whatever the check raised: the entry cannot run here
             return False
         return True
@@ -4188,6 +4262,21 @@ class _CatalogRun(Part):
             return _failure(item, data["error"], True, reason=_refusal_reason(data))
         return obs
 
+    async def _search(self, call):
+        """search_tools: the catalog's search under the batch's grants, never an entry a load would answer
+        unknown_tool (see runs)."""
+        return {"candidates": self.catalog._search(call["arguments"]["query"], self.now, 5, self.runs)}
+
+    async def _load(self, call):
+        """load_tools: the catalog's load under the batch's grants; a name the run cannot run, as an absent one's."""
+        catalog, names = self.catalog, call["arguments"]["names"]
+        for name in names:  # in order, as the load looks: the first name it cannot load is the answer
+            if name not in catalog.entries or catalog.entries[name].permission not in self.now:
+                break  # absent or hidden: the load says so
+            if not self.runs(name):
+                return {"error": "unknown_tool", "name": name}  # as an absent name's, the same bytes
+        return catalog.load(names, self.now, catalog.budget_bytes)
+
 
 def _refusal_reason(refused):
     """A load's refusal, said for the model."""
@@ -4196,43 +4285,6 @@ def _refusal_reason(refused):
     if refused["error"] == "stale_definition":
         return f"{refused['name']} is at version {refused['version']} now: search again"
     return "no tool of that name"  # a hidden name and an absent one alike
-
-
-def _innermost(tools, wrap):
-    """wrap(tools); or, for a wrapper (its class says wrapper = True, and it keeps the tools it wraps as its `inner`,
-    as a Timeline's does), a copy of it around _innermost(inner, wrap): each wrapper sees every call, the catalog's
-    too."""
-    if getattr(type(tools), "wrapper", False) is True and "inner" in getattr(tools, "__dict__", {}):
-        outer = copy.copy(tools)
-        outer.inner = _innermost(tools.inner, wrap)
-        return outer
-    return wrap(tools)
-
-
-class _CatalogTools:
-    """The run's tools object, with the catalog's two tools, which the catalog answers under the batch's grants."""
-
-    def __init__(self, part, tools):
-        self.part, self.tools = part, tools
-
-    async def invoke(self, call):
-        """The catalog's answer to search_tools or load_tools; any other call, the run's own tools'."""
-        catalog, grants, args = self.part.catalog, self.part.now, call["arguments"]
-        if call["name"] == "search_tools":  # never an entry a load would answer unknown_tool (see runs)
-            return {"candidates": catalog._search(args["query"], grants, 5, self.part.runs)}  # search's limit
-        if call["name"] == "load_tools":
-            for name in args["names"]:  # in order, as the load looks: the first name it cannot load is the answer
-                if name not in catalog.entries or catalog.entries[name].permission not in grants:
-                    break  # absent or hidden: the load says so
-                if not self.part.runs(name):
-                    return {"error": "unknown_tool", "name": name}  # as an absent name's, the same bytes
-            return catalog.load(args["names"], grants, catalog.budget_bytes)
-        return await self.tools.invoke(call)
-
-    def __getattr__(self, name):  # reconcile and the rest: the run's own tools' (never while it is made, or copied)
-        if name.startswith("__") or "tools" not in self.__dict__:
-            raise AttributeError(name)
-        return getattr(self.tools, name)
 
 
 # PART 14: work that outlives a call: a worker for durable jobs, in a few lines
@@ -4421,9 +4473,9 @@ class _JobRuns(Part):
         part.store, part.run_id = given["store"], given["run_id"]
         return part
 
-    async def resume(self, run, ended):
-        run.tools = _innermost(run.tools, partial(_JobTools, self, run))  # a job tool's calls go to the store
-        return ended
+    async def serves(self, run, tools):
+        """Each job tool, whose call submits its job to the store and answers {"job": its receipt}."""
+        return {**tools, **{name: partial(self._submit, run) for name, spec in run.registry.items() if spec.job}}
 
     async def after_call(self, run, obs, item):
         """A job submitted: its call waits for it (a failure no model reads, for the run pauses on it). A submit
@@ -4439,10 +4491,11 @@ class _JobRuns(Part):
         except Exception:  # the store failed: the failure stands (the run stops at its next save)
             return obs
 
-    async def settle(self, run, value, record):
-        """Each job call of the run's last round that waits for its job, or that a crash cut: its job looked up
+    async def settle(self, run, value):
+        """Each job call of a resumed run's last round that waits for its job, or that a crash cut: its job looked up
         under its key, never submitted (a call cut before its submit was saved submitted nothing: a read stays
         interrupted, a write did not apply); its observation the job's once it has ended."""
+        record = run.history[-1] if run.history else {"calls": [], "observations": []}
         for index, (item, obs) in enumerate(zip(record["calls"], record["observations"])):
             if item["name"] in run.registry and run.registry[item["name"]].job and not obs["ok"] and \
                     obs["error"] in ("awaiting_job", "interrupted", "unknown_outcome"):
@@ -4475,15 +4528,15 @@ class _JobRuns(Part):
     def _key(self, item):
         return idempotency_key(self.run_id, item["call_id"], getattr(self.store, "store_id", ""))
 
-    async def _submit(self, run, item):
-        """The receipt of the call's job, submitted under its key (the same job, if it was before); a "refused" one
-        if the store refuses it (JobError: its queue is full, say)."""
+    async def _submit(self, run, call):
+        """{"job": the receipt of the call's job}, submitted under its key (the same job, if it was before); a
+        "refused" one if the store refuses it (JobError: its queue is full, say)."""
         submit = partial(self.store.submit, deadline_seconds=run.limits.job_seconds, run_id=self.run_id)
         try:
-            return await _off_the_loop(self.store, submit, self.run_id, self._key(item), item["name"],
-                                       _copy(item["arguments"]))
+            return {"job": await _off_the_loop(self.store, submit, self.run_id, self._key(call), call["name"],
+                                               _copy(call["arguments"]))}
         except JobError as refused:
-            return {"id": None, "state": "refused", "error": refused.code}
+            return {"job": {"id": None, "state": "refused", "error": refused.code}}
 
     def _waiting(self, item, receipt):
         return _failure(item, "awaiting_job", False, job=receipt["id"])
@@ -4504,30 +4557,9 @@ class _JobRuns(Part):
         return self._waiting(item, receipt)
 
 
-class _JobTools:
-    """The run's tools object, but for its job tools, whose calls submit their job to the store."""
-
-    def __init__(self, part, run, tools):
-        self.part, self.run, self.tools = part, run, tools
-
-    async def invoke(self, call):
-        """The receipt of the job a job tool's call submitted, as {"job": receipt}; any other call, the tools'."""
-        if not self.run.registry[call["name"]].job:
-            return await self.tools.invoke(call)
-        return {"job": await self.part._submit(self.run, call)}
-
-    async def reconcile(self, call):
-        """Whether a write applied, as the tools say; a job write's, None: the store knows, and the run asks it under
-        its key when it goes on (never the tools, which know nothing of the job)."""
-        if call["name"] in self.run.registry and self.run.registry[call["name"]].job:
-            return None
-        reconcile = getattr(self.tools, "reconcile", None)
-        return await reconcile(call) if callable(reconcile) else None
-
-    def __getattr__(self, name):  # reconcile and the rest: the run's own tools' (never while it is made, or copied)
-        if name.startswith("__") or "tools" not in self.__dict__:
-            raise AttributeError(name)
-        return getattr(self.tools, name)
+# The later parts, in the order they meet a run (see Part): each joins after those before it, and meets the run at
+# each seam after them; the journal last, as it checks what the store holds for the run as the others made it.
+PARTS = (ObservedRefusals, _CatalogRun, Attempts, _JobRuns, _Journal, _Writes)
 
 
 # ======================================================================================================================
@@ -4612,11 +4644,9 @@ async def _store_command(args, parser):
         parser.error(str(refused))
 
 
-class _SeeStore(Part):
-    """See a store, as the core reads it: its command."""
-
-    commands = {"store": ("a SQLite store's runs and jobs, a line each; --follow RUN_ID: its events as saved",
-                          _store_options, _store_command)}
+# The commands after the runtime, as main() reads them (every_command): the store's.
+LATER_COMMANDS = {"store": ("a SQLite store's runs and jobs, a line each; --follow RUN_ID: its events as saved",
+                            _store_options, _store_command)}
 
 
 if __name__ == "__main__":
