@@ -17,7 +17,6 @@ import json
 import marshal
 import math
 import os
-import queue
 import random
 import re
 import sqlite3
@@ -311,11 +310,9 @@ def _key(value):
     return canonical(_integral(value))  # canonical still tells true from 1, as a bool is never a float
 
 
-def _compile(schema, at="parameters"):
-    """Return check(value, path=""), which says why value does not match schema ("rows[1].stock: expected integer")
-    or returns None; ValueError, naming where and the keyword, for a schema the check cannot honour."""
-    if type(schema) is bool:  # true admits anything, false nothing
-        return lambda value, path="": None if schema else f"{path or 'arguments'}: not allowed"
+def _well_formed(schema, at):
+    """Nothing, if each keyword of schema (a dict) is one the check honours, of a value it honours as JSON Schema means
+    it, or an annotation; else ValueError, naming where and the keyword."""
     if type(schema) is not dict:
         raise ValueError(f"{at}: must be a schema")
     for keyword, value in schema.items():
@@ -328,6 +325,14 @@ def _compile(schema, at="parameters"):
         well_formed, expected = _SCHEMA_RULES[keyword]
         if not well_formed(value):
             raise ValueError(f"{at}.{keyword}: must be {expected}")
+
+
+def _compile(schema, at="parameters"):
+    """Return check(value, path=""), which says why value does not match schema ("rows[1].stock: expected integer")
+    or returns None; ValueError, naming where and the keyword, for a schema the check cannot honour."""
+    if type(schema) is bool:  # true admits anything, false nothing
+        return lambda value, path="": None if schema else f"{path or 'arguments'}: not allowed"
+    _well_formed(schema, at)
     # What the check needs, worked out once: type tests, enum and const as keys, each subschema prepared.
     # Nothing of schema itself is kept, so a schema edited after this cannot change what is checked.
     kinds = [schema["type"]] if type(schema.get("type")) is str else list(schema.get("type", []))
@@ -2131,56 +2136,37 @@ class Store:
 
     @cached_property
     def _thread(self):
-        return _StoreThread()
+        """The thread of the store's own that runs its calls, one at a time, in the order they come."""
+        return concurrent.futures.ThreadPoolExecutor(1, "agent_loop store", setattr, (_STORE_THREAD, "store", self))
 
 
-class _StoreThread:
-    """A daemon thread that runs a store's calls one at a time, in the order they come: submit() gives a Future."""
-
-    def __init__(self):
-        self.calls, self.stopped, self.lock = queue.SimpleQueue(), False, threading.Lock()
-        self.thread = threading.Thread(target=self._serve, name="agent_loop store", daemon=True)
-        self.thread.start()
-
-    def submit(self, function, *args):
-        future = concurrent.futures.Future()
-        with self.lock:
-            if self.stopped:
-                raise RuntimeError("the store is closed")
-            self.calls.put((future, function, args))
-        return future
-
-    def _serve(self):
-        while (call := self.calls.get()) is not None:
-            _fulfil(*call)
-
-    def stop(self):
-        with self.lock:  # a call submitted from another thread (a claim's) comes before the end, or is refused
-            if not self.stopped:
-                self.stopped = True
-                self.calls.put(None)
+_STORE_THREAD = threading.local()  # on a store's thread, .store is that store
 
 
-def _fulfil(future, function, args):
-    """The future's result: function(*args), or what it raised (in a thread of the store's, even ^C is only this
-    call's: a fault, by its class)."""
-    if future.set_running_or_notify_cancel():
-        try:
-            future.set_result(function(*args))
-        except BaseException as error:
-            future.set_exception(error if isinstance(error, Exception) else _Fault(type(error)))
-
-
-async def _off_the_loop(store, method, *args):
+async def _off_the_loop(store, method, *args, waits=False):
     """method(*args), run on the store's own thread: the loop goes on while the database works, and a slow or locked
-    statement delays only the run that made it. A method marked _waits_off_its_thread runs in a thread of its own
-    instead (never asyncio's shared pool, which tools' work may fill): it puts each statement on the store's thread
-    itself, and waits between them without holding it."""
-    if getattr(method, "waits_off_its_thread", False):
-        future = concurrent.futures.Future()
-        threading.Thread(target=_fulfil, args=(future, method, args), name="agent_loop wait", daemon=True).start()
+    statement delays only the run that made it. A method that waits between its statements (waits: a claim, which
+    tries again while a row is locked; a job's call tried again while the database is busy) runs in a thread of its
+    own instead (never asyncio's shared pool, which tools' work may fill): it puts each statement on the store's
+    thread itself, and waits between them without holding it. What the method raised is raised here, but for what
+    would end the run's task (a BaseException, a CancelledError of the method's own): a fault, by its class."""
+    if waits:
+        thread = concurrent.futures.ThreadPoolExecutor(1, "agent_loop wait")
+        future = thread.submit(method, *args)
+        thread.shutdown(wait=False)  # its one call runs, then the thread ends
+    else:  # the method itself, on the thread where _on_its_thread would put it
+        inner = getattr(method, "__wrapped__", None)
+        future = store._thread.submit(method if inner is None else partial(inner, method.__self__), *args)
+    try:
         return await asyncio.wrap_future(future)
-    return await asyncio.wrap_future(store._thread.submit(method, *args))
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():  # the run's own task was cancelled
+            raise
+        raise _Fault(asyncio.CancelledError) from None
+    except Exception:
+        raise
+    except BaseException as error:
+        raise _Fault(type(error)) from None
 
 
 STORE_METHODS = ("load", "claim", "claimed", "save", "unfinished")
@@ -2199,13 +2185,14 @@ def idempotency_key(run_id, call_id, store_id=""):
     return hashlib.sha256(canonical([store_id, run_id, call_id]).encode()).hexdigest()
 
 
+@dataclass(eq=False)
 class _Journal(Part):
     """A named run's journal: run_agent(..., store=store, run_id=...) saves the run as it goes, and resumes it.
 
     One run through a crash and its resume. Before the model is asked, the journal loads what the store holds for
     the run and checks it (plain data of the shapes it saves, the same registry and limits: else a ValueError, and a
     pool sets the run aside); then it claims the run, which fences any other holder, and loads and checks it again
-    (_open). It saves at each step that spends, in one transaction each (save): the decision paid (before the model
+    (join). It saves at each step that spends, in one transaction each (save): the decision paid (before the model
     is asked), the batch admitted (before its gate), each retry of a read (before it starts), each observation of a
     serial batch, the batch's observations, a refusal, the end; a run that may write saves more (_Writes). A crash
     keeps what was saved, and the same call later resumes the run (resume): used, history, the ledger and the repeat
@@ -2222,6 +2209,18 @@ class _Journal(Part):
     errors = ("interrupted",)  # a call a crash cut, started or not
     options = ("store", "run_id", "approve", "approvals")
 
+    store: Store
+    run_id: str
+    store_id: str  # the store's own, of which a write's key is made (_Writes)
+    config: str  # the registry and limits, as canonical JSON: a run saved with others is not this one
+    generation: int | None = None  # the claim it holds the run under
+    holding: bool = False  # a lease it holds, to let go
+    lost: Stop | None = None  # superseded or store_failed: nothing more is saved
+    unresumable: bool = False  # what the store holds is not a run this version resumes: set aside
+    renewal: object = None  # the lease's timer, or its renewal under way
+    resumed: bool = False  # put back from what was saved
+    given: set = field(default_factory=set)  # the writes this process handed to their tool (_Writes)
+
     @classmethod
     async def join(cls, run, given):
         store, run_id, approve, approvals = (given[name] for name in cls.options)
@@ -2234,15 +2233,54 @@ class _Journal(Part):
             return None
         if not isinstance(store, Store) or not all(callable(getattr(store, name, None)) for name in STORE_METHODS):
             raise ValueError("store must be a store, such as a SqliteStore")
-        _checked_run_id(run_id)
+        _checked_name("run_id", run_id)
+        if approve is not None and not _plain_function(approve):
+            raise ValueError("approve must be a plain function of a write's call")
+        if approvals is not None and (type(approvals) is not dict or not all(
+                type(cid) is str and type(verdict) is str and verdict in VERDICTS
+                for cid, verdict in approvals.items())):
+            raise ValueError("approvals must be a dict of call ids to 'approve' or 'reject'")
         store_id = getattr(store, "store_id", None)
         store_id = store_id if type(store_id) is str else ""
+        if (approve is not None or approvals) and not store_id:
+            raise ValueError("a store that runs writes needs a store_id of its own: their keys are made of it")
+        config = canonical(_integral({
+            "limits": [getattr(run.limits, field.name) for field in dataclasses.fields(Limits)],
+            "registry": {name: [spec.cost, spec.read_only, spec.parallel_safe, spec.job, spec.parameters]
+                         for name, spec in run.registry.items()}}))
         # A run that may write (a write in its registry, a catalog's, approve or approvals given) keeps their fate.
-        writes = approve is not None or approvals is not None or run.registry_at is not None or any(
-            not spec.read_only for spec in run.registry.values())
-        journal = _Writes(run, store, run_id, store_id, approve, approvals) if writes else cls(run, store, run_id,
-                                                                                               store_id)
-        await journal._open(run)
+        journal = _Writes(store, run_id, store_id, config, approve=approve, approvals=dict(approvals or {})) if \
+            approve is not None or approvals is not None or run.registry_at is not None or any(
+                not spec.read_only for spec in run.registry.values()) else cls(store, run_id, store_id, config)
+        # Load, check, claim, load and check again: a ValueError gives back a lease claim_next or the claim took.
+        try:
+            saved = await journal._load(run)  # all that can refuse the run does so here, before a claim fences anyone
+            if saved is None or saved["status"] is None:
+                # Claimed, then read again: what another process saved before the claim is this one's to go on from.
+                try:
+                    journal.generation = await _off_the_loop(store, store.claim, run_id, config, time.time(),
+                                                             waits=True)
+                except Exception as error:
+                    raise ValueError(f"{run_id}: the store failed: {_error_type(error)}") from None
+                journal.holding = True
+                saved = await journal._load(run)  # again: another process may have gone on with the run in between
+        except ValueError:  # refused: a lease taken for it goes back (a run this code cannot resume, set aside)
+            if journal.holding:
+                await journal.close(run, None)
+            elif callable(getattr(store, "give_back", None)):
+                with contextlib.suppress(Exception):
+                    await _off_the_loop(store, store.give_back, run_id, journal.unresumable)
+            raise
+        state = saved["state"] if saved else _NOTHING_SAVED
+        journal.saved, journal.saved_records, journal.events = saved, [], 0
+        journal.kept = _copy(state["used"])  # used as last saved between calls: what a retry's save keeps as used
+        journal.writes, journal.waits, journal.asked_at = _copy(state["writes"]), state["waits"], state["asked_at"]
+        # A run paused until now ends its pause here: the time paused is no time of the run's.
+        since = state["paused_at"]
+        journal.paused = state["paused"] + (0.0 if since is None else max(0.0, time.time() - since))
+        journal.paused_at = None
+        journal.elapsed = max(0.0, time.time() - saved["started"] - journal.paused) if saved and saved["started"] \
+            else 0.0
         return journal
 
     @classmethod
@@ -2252,45 +2290,6 @@ class _Journal(Part):
         if isinstance(store, Store) and callable(getattr(store, "give_back", None)) and type(run_id) is str:
             with contextlib.suppress(Exception):
                 await _off_the_loop(store, store.give_back, run_id, False)
-
-    def __init__(self, run, store, run_id, store_id):
-        self.store, self.run_id, self.store_id = store, run_id, store_id
-        self.config = canonical(_integral({
-            "limits": [getattr(run.limits, field.name) for field in dataclasses.fields(Limits)],
-            "registry": {name: [spec.cost, spec.read_only, spec.parallel_safe, spec.job, spec.parameters]
-                         for name, spec in run.registry.items()}}))
-        self.holding, self.renewal, self.lost, self.unresumable, self.generation = False, None, None, False, None
-        self.given = set()  # the writes this process handed to their tool (_Writes)
-
-    async def _open(self, run):
-        """Load, check, claim, load and check again: a ValueError gives back a lease claim_next or the claim took."""
-        try:
-            saved = await self._load(run)  # all that can refuse the run does so here, before a claim fences anyone
-            if saved is None or saved["status"] is None:
-                # Claimed, then read again: what another process saved before the claim is this one's to go on from.
-                try:
-                    self.generation = await _off_the_loop(self.store, self.store.claim, self.run_id, self.config,
-                                                          time.time())
-                except Exception as error:
-                    raise ValueError(f"{self.run_id}: the store failed: {_error_type(error)}") from None
-                self.holding = True
-                saved = await self._load(run)  # again: another process may have gone on with the run in between
-        except ValueError:  # refused: a lease taken for it goes back (a run this code cannot resume, set aside)
-            if self.holding:
-                await self.close(run, None)
-            elif callable(getattr(self.store, "give_back", None)):
-                with contextlib.suppress(Exception):
-                    await _off_the_loop(self.store, self.store.give_back, self.run_id, self.unresumable)
-            raise
-        state = saved["state"] if saved else _NOTHING_SAVED
-        self.saved, self.saved_records, self.events = saved, [], 0
-        self.kept = _copy(state["used"])  # used as last saved between calls: what a retry's save keeps as used
-        self.writes, self.waits, self.asked_at = _copy(state["writes"]), state["waits"], state["asked_at"]
-        # A run paused until now ends its pause here: the time paused is no time of the run's.
-        since = state["paused_at"]
-        self.paused = state["paused"] + (0.0 if since is None else max(0.0, time.time() - since))
-        self.paused_at = None
-        self.elapsed = max(0.0, time.time() - saved["started"] - self.paused) if saved and saved["started"] else 0.0
 
     async def _load(self, run):
         """The run as saved, checked: ValueError for one of another version or config, or that is not such data, or
@@ -2317,8 +2316,8 @@ class _Journal(Part):
         """Put the saved run back into run's state, and say so; return the stored result if it has ended."""
         seconds = getattr(self.store, "lease_seconds", None)
         if self.holding and callable(getattr(self.store, "renew", None)) and type(seconds) in (int, float) \
-                and seconds > 0:
-            self.renewal = asyncio.get_running_loop().create_task(self._keep_lease(seconds / 3))
+                and seconds > 0:  # the lease, renewed every third of it while the run holds it
+            self.renewal = asyncio.get_running_loop().call_later(seconds / 3, self._renew, seconds / 3)
         saved = self.saved
         if saved is None or not saved["trace"] and saved["state"]["used"] == _NOTHING_USED:
             return ended  # new, or only claimed
@@ -2355,7 +2354,7 @@ class _Journal(Part):
         """A resumed run's last round, once what it waited for was asked about: the rest of a serial batch that waited
         for it runs; then the resume is saved (a cancel asked for meanwhile ends the run here), and a round that
         stopped the run stops it again."""
-        if not getattr(self, "resumed", False) or not run.history:
+        if not self.resumed or not run.history:
             return value
         record, self.waits = run.history[-1], None
         done = record["observations"]
@@ -2462,18 +2461,21 @@ class _Journal(Part):
             self.lost = stop
         return stop
 
-    async def _keep_lease(self, seconds):
-        """Renew the lease every `seconds`, off the loop, while the run holds it: a run that waits long keeps it. A
-        renewal that fails (fenced, or the store failed) stops the run at its next step, and renews no more."""
-        while True:
-            await asyncio.sleep(seconds)
-            try:
-                await _off_the_loop(self.store, self.store.renew, self.run_id, self.generation)
-            except Exception as error:
-                self.lost = _lost(error)
-                return
+    def _renew(self, seconds):
+        """The lease's timer: renew it now, off the loop, and again in `seconds`, while the run holds it (a run that
+        waits long keeps it). A renewal that fails (fenced, or the store failed) stops the run at its next step."""
+        self.renewal = asyncio.ensure_future(self._renewed(seconds))
+
+    async def _renewed(self, seconds):
+        try:
+            await _off_the_loop(self.store, self.store.renew, self.run_id, self.generation)
+        except Exception as error:
+            self.lost = _lost(error)
+        else:
+            self.renewal = asyncio.get_running_loop().call_later(seconds, self._renew, seconds)
 
 
+@dataclass(eq=False)
 class _Writes(_Journal):
     """The journal of a named run that may write: run_agent(..., store, run_id, approve=policy, approvals={...}).
 
@@ -2503,21 +2505,12 @@ class _Writes(_Journal):
     statuses = ("awaiting_approval", "approval_expired", "unknown_outcome")
     errors = ("rejected", "not_applied")
 
+    approve: Callable | None = None  # the approval policy
+    approvals: dict = field(default_factory=dict)  # the verdicts given, by call id
+
     @classmethod
     async def join(cls, run, given):
         return None  # it joins as the journal of a run that may write (_Journal.join), with the journal's options
-
-    def __init__(self, run, store, run_id, store_id, approve, approvals):
-        if approve is not None and not _plain_function(approve):
-            raise ValueError("approve must be a plain function of a write's call")
-        if approvals is not None and (type(approvals) is not dict or not all(
-                type(cid) is str and type(verdict) is str and verdict in VERDICTS
-                for cid, verdict in approvals.items())):
-            raise ValueError("approvals must be a dict of call ids to 'approve' or 'reject'")
-        if (approve is not None or approvals) and not store_id:
-            raise ValueError("a store that runs writes needs a store_id of its own: their keys are made of it")
-        super().__init__(run, store, run_id, store_id)
-        self.approve, self.approvals = approve, dict(approvals or {})
 
     async def _load(self, run):
         """The run as saved, checked as the journal checks it; then refused, before the claim, if this run cannot go on
@@ -2543,7 +2536,7 @@ class _Writes(_Journal):
     async def settle(self, run, value):
         """A resumed run's last round: the batch that waited for approvals goes to its gate again; each write whose
         outcome is unknown is asked about again; then the journal goes on with the round."""
-        if not getattr(self, "resumed", False) or not run.history:
+        if not self.resumed or not run.history:
             return value
         record = run.history[-1]
         if self.waits == "approval":  # its gate again, then the batch
@@ -2664,9 +2657,16 @@ def _cut(record, trace, writes):
     return observed, [*cut.values(), *retried]
 
 
-def _checked_run_id(run_id):
-    if type(run_id) is not str or not 1 <= len(run_id) <= 80 or not run_id.isprintable():
-        raise ValueError("run_id must be a string of 1 to 80 printable characters")
+def _a_name(text):
+    """True for a name a store keeps on every database (a run id, a job's owner, key, kind or error code): 1 to 80
+    printable characters (no NUL, no newline, no half of a surrogate pair)."""
+    return type(text) is str and 1 <= len(text) <= 80 and text.isprintable()
+
+
+def _checked_name(what, text):
+    """ValueError, naming what, unless text is a name (_a_name)."""
+    if not _a_name(text):
+        raise ValueError(f"{what} must be a string of 1 to 80 printable characters")
 
 
 def _not_pending(run, result):
@@ -2724,9 +2724,14 @@ def _a_saved_run(saved, registry, limits):
             return False
     if any(len(record["observations"]) < len(record["calls"]) for record in history[:-1]):
         return False  # only the last round's batch can have been cut
-    if not all(_a_saved_observation(obs, item, registry) for record in history
-               for obs, item in zip(record["observations"], record["calls"])):
-        return False
+    for obs, item in ((obs, item) for record in history for obs, item in zip(record["observations"], record["calls"])):
+        # An observation as the runtime makes them: data if ok, else an error it knows and whether the model may
+        # retry (an unknown outcome only for a write).
+        error = None if obs["ok"] else obs.get("error")
+        if not ("data" in obs if obs["ok"] else type(obs.get("retryable")) is bool and type(error) is str and (
+                error in every_error() or error in statuses and error != "completed") and (
+                error != "unknown_outcome" or item["name"] in registry and not registry[item["name"]].read_only)):
+            return False
     if sum(obs["ok"] for record in history for obs in record["observations"]) > used["calls"]:
         return False  # a call that succeeded was started, and counted
     if any(next((obs["error"] for obs in filter(_fatal, record["observations"])), None) not in (None, *statuses)
@@ -2753,17 +2758,6 @@ def _a_saved_run(saved, registry, limits):
     return used["calls"] + len(charged) <= limits.calls and used["credits"] + _cost(registry, charged) <= limits.credits
 
 
-def _a_saved_observation(obs, item, registry):
-    """True if obs is an observation as the runtime makes them: data if ok, else an error it knows and whether the
-    model may retry (an unknown outcome only for a write)."""
-    if obs["ok"]:
-        return "data" in obs
-    error = obs.get("error")
-    return type(obs.get("retryable")) is bool and type(error) is str and \
-        (error in every_error() or error in every_status() and error != "completed") and \
-        (error != "unknown_outcome" or item["name"] in registry and not registry[item["name"]].read_only)
-
-
 # PART 11: many workers, one database: runs leased to a pool of processes, and durable jobs, on SQLite or PostgreSQL
 #
 # A worker is a loop over the store's queue: claim the next run, run it, repeat. Start as many as you like, on one
@@ -2788,11 +2782,6 @@ _UNFINISHED = JOB_STATES[:3]
 _MOST = 2**31 - 1  # the largest count a job's columns hold on every database (PostgreSQL's INTEGER)
 
 
-def _a_name(text):
-    """True for a name a job's columns hold on every database: 1 to 80 printable characters (no NUL, no newline)."""
-    return type(text) is str and 1 <= len(text) <= 80 and text.isprintable() and _is_data(text)
-
-
 def _check_attempt(attempt):
     """A job's attempt, as claim_job gave it, is an int: anything else is a mistake, not a stale claim."""
     if type(attempt) is not int:
@@ -2814,6 +2803,7 @@ class JobError(Exception):
         self.code = code
 
 
+_RUN_JOBS = "SELECT id FROM agent_loop_jobs WHERE run_id = ? AND state IN ('queued', 'running') ORDER BY id"
 _LOCK_WAIT = 0.5  # seconds a PostgreSQL statement waits for a row another transaction holds, before it looks why
 _STALLED = 1.0  # seconds a transaction holding a run whose lease ran out may last before the store ends its session
 
@@ -2823,17 +2813,10 @@ def _on_its_thread(method):
     from one thread, one call at a time, so that a run's loop waits on none of them."""
     @wraps(method)
     def on_its_thread(store, *args, **options):
-        if threading.current_thread() is store._thread.thread:
+        if getattr(_STORE_THREAD, "store", None) is store:
             return method(store, *args, **options)
         return store._thread.submit(partial(method, **options), store, *args).result()
     return on_its_thread
-
-
-def _waits_off_its_thread(method):
-    """Mark a store's method that waits between its statements (a claim that tries again while a row is locked): the
-    store's thread serves the other runs' saves and renewals meanwhile."""
-    method.waits_off_its_thread = True
-    return method
 
 
 def _cancellable(record, state, config, events):
@@ -2860,112 +2843,55 @@ def _cancellable(record, state, config, events):
     return (record, state, costs, trace) if fits else None
 
 
-class SqlStore(Store):
-    """Runs saved in a SQL database that a pool of workers can share: SQLite, or PostgreSQL through your connection.
-
-    connection: a sqlite3 connection, in autocommit (sqlite3.connect(path, isolation_level=None) or, on 3.12 and
-    later, autocommit=True) and usable from the store's thread (check_same_thread=False), or a psycopg 3 connection
-    in autocommit (psycopg.connect(conninfo, autocommit=True)), in a UTF8 (or SQL_ASCII) database: the store's
-    transactions are its own. It is yours: close it yourself. Or a function of no arguments that makes one: the
-    store calls it once, on its thread, and closes what it made in close(). The store makes its tables (agent_loop_*)
-    beside any of yours, and puts an SQLite file in write-ahead-log mode (a mode that stays); the module imports no
-    driver. Every call runs on the store's own thread, one at a time (yours wait for theirs): run_agent awaits them,
-    so that a slow or locked statement delays only the run that made it, never the loop.
-
-    A lease: a claim holds its run for lease_seconds (30 by default) on the store's clock (time.time: workers on
-    several machines need their clocks in sync), held by this store object, from the moment the claim took hold.
-    Each save renews it, and a running run renews it in the background every third of it (a renewal that fails
-    stops the run, never tried again); a run that ends, or pauses, lets it go, unless its task was cancelled while a
-    write ran. A save, a renewal or a call started after the lease ran out is refused: Superseded "lease_expired",
-    or "stale" once another worker has claimed the run.
-
-    The queue: add(run_id) records a run that has not started; claim_next() leases the oldest unfinished run that no
-    live lease holds and that no pause holds (never started, crashed or frozen and past its lease, or let go) and
-    returns its id, or None (also while the database is too busy to tell); run_agent(..., store=store,
-    run_id=that_id) runs it under that lease (one it refuses with a ValueError is given back at once; set aside,
-    waiting for you, if it was saved with another registry or other limits, or is not a run it saved). A run claimed
-    by name instead is taken over, its holder fenced.
-
-    A worker that freezes (SIGSTOP, a debugger, a swapped-out machine) may freeze inside a transaction. On PostgreSQL no
-    statement waits on another's row for long (_LOCK_WAIT): a claim finds the run's locker, and once no live lease holds
-    the run (its lease ran out, or it has none) and the locker's transaction has lasted _STALLED, ends its session (the
-    store's role may signal its own sessions): a frozen holder holds its run about one lease, a frozen claimer about
-    _STALLED, then it is fenced, and its next statement fails when it wakes. A claim by name waits between its tries off
-    the store's thread, which serves the store's other runs meanwhile. SQLite has one lock for the whole database, which
-    no live process can take from another: a worker frozen inside a transaction holds every writer until it wakes or
-    dies. Meanwhile claim_next() says None and a save waits out the connection's busy timeout, then stops its run
-    store_failed. Durability is the database's: SQLite's here (the write-ahead log, synchronous=FULL), PostgreSQL's own
-    (synchronous_commit)."""
-
-    def __init__(self, connection, lease_seconds=30.0, clock=time.time, max_jobs=None, max_claims=3):
-        if type(lease_seconds) not in (int, float) or not 0.1 <= lease_seconds <= 86_400:
-            # Shorter, a lease could run out between a claim and the run's first save, every time.
-            raise ValueError("lease_seconds must be a number of seconds from 0.1 to a day")
-        if not callable(clock) or not _gives_seconds(clock):
-            raise ValueError("clock must be a function of no arguments that gives seconds, such as time.time")
-        if max_jobs is not None and (type(max_jobs) is not int or max_jobs < 1):
-            raise ValueError("max_jobs must be an int >= 1, or None")
-        if type(max_claims) is not int or max_claims < 1:
-            raise ValueError("max_claims must be an int >= 1")
-        self.lease_seconds, self.clock, self.made, self.db = float(lease_seconds), clock, False, None
-        self.max_jobs, self.max_claims = max_jobs, max_claims
-        self.holder = os.urandom(8).hex()  # whose lease it is: this store object's
-        self.leased = {}  # run id: the generation claim_next leased it under, until a run claims it
-        self._thread = _StoreThread()
-        try:
-            self._open(connection)
-        except BaseException:
-            self.close()
-            raise
+class _Database:
+    """A store's connection to its database: the dialect it speaks (SQLite's or PostgreSQL's), its statements and
+    transactions, the store's clock, and what it does when the database is busy."""
 
     _name = "the database"
 
-    @_on_its_thread
     def _open(self, connection):
-        self.made = _driver_of(connection) is None and callable(connection)
+        """Take the connection (or make it), check it, and make the store's tables where they are not, in one
+        transaction that writes (a store that cannot write, or cannot get its lock, says so now); ValueError for a
+        connection the store cannot use, or a database of another version, or broken, or another program's."""
+        self.made = callable(connection) and not hasattr(connection, "cursor")  # a function that makes one
         try:
             db = connection() if self.made else connection
         except Exception as error:
             raise ValueError(f"the connection function failed: {_error_type(error)}") from None
-        driver = _driver_of(db)
-        if driver is None:
+        # The driver whose connection it is (a subclass's too), if _DIALECTS knows it.
+        driver = next((kind.__module__.partition(".")[0] for kind in type(db).__mro__
+                       if kind.__module__.partition(".")[0] in _DIALECTS), None)
+        if driver is None or driver not in sys.modules:
             raise ValueError("connection must be a sqlite3 or psycopg 3 connection, or a function that makes one")
         self.db, self.dialect, self.error = db, _DIALECTS[driver], sys.modules[driver].Error
         try:
             unfit = self.dialect["unfit"](db)
             if unfit:
                 raise ValueError(f"the connection {unfit}")
-            self._made()
+            for statement in self.dialect["setup"]:
+                self._sql(statement)
+            with self._transaction(self.dialect["alone"]):  # one maker at a time, whichever process comes first
+                if "agent_loop_meta" not in {name for name, in self._sql(self.dialect["tables"])}:  # new: made here
+                    for statement in filter(str.strip, _STORE_TABLES.split(";")):
+                        self._sql(statement)
+                    for key, value in (("version", str(STORE_VERSION)), ("store", os.urandom(8).hex())):
+                        self._sql("INSERT INTO agent_loop_meta VALUES (?, ?) ON CONFLICT (key) DO NOTHING",
+                                  (key, value))
+                meta = dict(self._sql("SELECT key, value FROM agent_loop_meta").fetchall())
+                if meta.get("version") != str(STORE_VERSION) or type(meta.get("store")) is not str:
+                    raise ValueError(f"{self._name}: a store of another version")
+                for columns in _STORE_COLUMNS:  # a table of one of those names that is yours: not a store
+                    self._sql(f"SELECT {columns} LIMIT 0").fetchall()
+                self._sql("UPDATE agent_loop_meta SET value = value WHERE key = 'version'")  # it writes, or says why
         except self.error as error:
             raise ValueError(f"{self._name}: {self.dialect['trouble'](error) or 'not a store'}") from None
-
-    def _sql(self, statement, parameters=()):
-        cursor = self.dialect["cursor"](self.db)  # its rows tuples of str, whatever the connection's row factory
-        cursor.execute(statement.replace("?", self.dialect["mark"]), parameters)
-        return cursor
-
-    def _made(self):
-        """The store's tables, made where they are not, in one transaction that writes (a store that cannot write,
-        or cannot get its lock, says so now); ValueError for a store of another version, or broken."""
-        for statement in self.dialect["setup"]:
-            self._sql(statement)
-        with self._transaction(self.dialect["alone"]):  # one maker at a time, whichever process comes first
-            if "agent_loop_meta" not in {name for name, in self._sql(self.dialect["tables"])}:  # new: made here
-                for statement in filter(str.strip, _STORE_TABLES.split(";")):
-                    self._sql(statement)
-                for key, value in (("version", str(STORE_VERSION)), ("store", os.urandom(8).hex())):
-                    self._sql("INSERT INTO agent_loop_meta VALUES (?, ?) ON CONFLICT (key) DO NOTHING", (key, value))
-            meta = dict(self._sql("SELECT key, value FROM agent_loop_meta").fetchall())
-            if meta.get("version") != str(STORE_VERSION) or type(meta.get("store")) is not str:
-                raise ValueError(f"{self._name}: a store of another version")
-            self._has_columns()  # a table of one of those names that is yours: not a store, and nothing is made
-            self._sql("UPDATE agent_loop_meta SET value = value WHERE key = 'version'")  # it writes, or says why not
         self.store_id = meta["store"]  # this store's own: its writes' keys are no other store's
 
-    def _has_columns(self):
-        """Nothing, if every table and column of a store is there; else the driver's error (not a store)."""
-        for columns in _STORE_COLUMNS:
-            self._sql(f"SELECT {columns} LIMIT 0").fetchall()
+    def _sql(self, statement, parameters=()):
+        cursor = self.db.cursor()
+        cursor.row_factory = self.dialect["rows"]  # its rows tuples of str, whatever the connection's row factory
+        cursor.execute(statement.replace("?", self.dialect["mark"]), parameters)
+        return cursor
 
     @contextlib.contextmanager
     def _transaction(self, first=None, begin="begin"):
@@ -2980,12 +2906,9 @@ class SqlStore(Store):
             raise
         self._sql("COMMIT")
 
-    def _held(self, run_id):
-        """The run's generation, holder and lease, its row locked until the transaction ends (in SQLite, the whole
-        database is); and the clock read once the lock is held: (generation, holder, lease_until, now)."""
-        row = self._sql("SELECT generation, holder, lease_until FROM agent_loop_runs WHERE run_id = ?"
-                        + self.dialect["lock"], (run_id,)).fetchone()
-        return (*(row or (None, None, None)), self._now())
+    def _busy(self, error):
+        """True if error says another connection held what a statement waited for, past the store's wait."""
+        return isinstance(error, self.error) and self.dialect["trouble"](error) == _BUSY
 
     def _now(self):
         """The store's clock, read now: a finite number of seconds, or ValueError (a lease cannot run on NaN)."""
@@ -3006,6 +2929,41 @@ class SqlStore(Store):
         _STALLED: a frozen worker's (on PostgreSQL; SQLite's one lock no process can take from another)."""
         if self.dialect["unstall_jobs"]:
             self._sql(self.dialect["unstall_jobs"], (self._now(), _STALLED)).fetchall()
+
+    def _unless_busy(self, method, *args):
+        """method(*args), tried once more after ending a frozen worker's session that held its run or job (on
+        PostgreSQL); JobError "busy" while another connection still holds what it waits for, never the driver's
+        error."""
+        for last in (not self.dialect["unstall"], True):
+            try:
+                return method(*args)
+            except self.error as error:
+                if not self._busy(error):
+                    raise
+                if last:
+                    raise JobError("busy") from None
+            with contextlib.suppress(self.error):  # not allowed to end it: the next try says busy
+                self._unstall()
+                self._unstall_jobs()
+
+    def close(self):
+        """Close the connection, if the store made it, and the store's thread; once closed, it stays closed."""
+        if not self.closed:
+            self.closed = True
+            if self.made and self.db is not None:
+                self._thread.submit(self.db.close).result()
+            self._thread.shutdown(wait=False)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exception):
+        self.close()
+
+
+class _Runs:
+    """A store's named runs: saved as they go, leased to one worker at a time, queued for a pool, cancelled and
+    followed from anywhere."""
 
     @_on_its_thread
     def load(self, run_id):
@@ -3032,7 +2990,7 @@ class SqlStore(Store):
     @_on_its_thread
     def add(self, run_id):
         """Record a run that has not started, for claim_next; a run already there is left as it is."""
-        _checked_run_id(run_id)
+        _checked_name("run_id", run_id)
         with self._transaction():
             self._sql("INSERT INTO agent_loop_runs (run_id, generation, added) VALUES (?, 0, ?) "
                       "ON CONFLICT (run_id) DO NOTHING", (run_id, self._now()))
@@ -3067,28 +3025,26 @@ class SqlStore(Store):
                                                                 claims, row[0]))
                     break
         except self.error as error:
-            if self.dialect["trouble"](error) == _BUSY:
+            if self._busy(error):
                 return None
             raise
         self.leased[row[0]] = generation
         return row[0]
 
-    @_waits_off_its_thread
     def claim(self, run_id, config, started):
         """The run's claim for this process: under the lease claim_next gave it, or taken over, fencing its holder
         (one frozen in a transaction once its lease has run out, on PostgreSQL). Each try is a call on the store's
         thread; the waits between them are the caller's, so that the store serves its other runs meanwhile."""
         end = time.monotonic() + self.lease_seconds + 4 * _STALLED
         while True:
-            try:
-                return self._claimed_now(run_id, config, started)
+            try:  # each try on the store's thread
+                return self._thread.submit(self._claimed_now, run_id, config, started).result()
             except self.error as error:  # its row is locked: by a holder that is saving, or that froze doing so
-                if self.dialect["trouble"](error) != _BUSY or not self.dialect["unstall"] or time.monotonic() > end:
+                if not self._busy(error) or not self.dialect["unstall"] or time.monotonic() > end:
                     raise
             self._unstall(run_id)
             time.sleep(_LOCK_WAIT / 5)
 
-    @_on_its_thread
     def _claimed_now(self, run_id, config, started):
         """claim's one try, in one transaction: the run's generation, or the driver's error."""
         with self._transaction():
@@ -3102,6 +3058,13 @@ class SqlStore(Store):
                       (generation, self.holder, now + self.lease_seconds, config, started,
                        json.dumps(_NOTHING_SAVED), run_id))
         return generation
+
+    def _held(self, run_id):
+        """The run's generation, holder and lease, its row locked until the transaction ends (in SQLite, the whole
+        database is); and the clock read once the lock is held: (generation, holder, lease_until, now)."""
+        row = self._sql("SELECT generation, holder, lease_until FROM agent_loop_runs WHERE run_id = ?"
+                        + self.dialect["lock"], (run_id,)).fetchone()
+        return (*(row or (None, None, None)), self._now())
 
     def _fenced(self, run_id, generation, held):
         """Superseded, saying why this store holds the run under generation no longer (None if it still does)."""
@@ -3172,8 +3135,10 @@ class SqlStore(Store):
                       (json.dumps(state), status, answer, state["waits"] if end is None and done else None,
                        None if done else self.holder, None if done else held[3] + self.lease_seconds,
                        None if end is not None else cancel, 0 if done else claims, run_id))
-            if end is not None:  # an ended run's jobs will never be read: asked to cancel, but for one held now
-                self._cancel_jobs(run_id, self.dialect["skip_locked"])
+            # An ended run's jobs will never be read: each asked to cancel, but for one another connection holds this
+            # moment (its worker mid-save, or frozen there), left to end on its own: a run's end waits for no worker.
+            for job_id, in self._sql(_RUN_JOBS + self.dialect["skip_locked"], (run_id,)).fetchall() if end else ():
+                self._cancel_job(job_id)
             self.db.cursor().executemany(
                 "INSERT INTO agent_loop_records VALUES (?, ?, ?) ON CONFLICT (run_id, round) DO UPDATE SET body = "
                 "excluded.body".replace("?", self.dialect["mark"]),
@@ -3199,9 +3164,8 @@ class SqlStore(Store):
         before its next call starts, saying who asked first. Its status after: cancelled, "cancel_requested", that of a
         run that had ended (left as it was), or None for none of that id. JobError("busy") while another connection
         holds the run or one of its jobs; ValueError for a run edited by hand."""
-        _checked_run_id(run_id)
-        if not _a_name(by):
-            raise ValueError("by must be a string of 1 to 80 printable characters")
+        _checked_name("run_id", run_id)
+        _checked_name("by", by)
         return self._unless_busy(self._cancelled_run, run_id, by)
 
     def _cancelled_run(self, run_id, by):
@@ -3211,7 +3175,8 @@ class SqlStore(Store):
                             (run_id,)).fetchone()
             if row is None or row[0] is not None:
                 return None if row is None else row[0]
-            self._cancel_jobs(run_id)
+            for job_id, in self._sql(_RUN_JOBS, (run_id,)).fetchall():  # each asked to cancel
+                self._cancel_job(job_id)
             last = self._sql("SELECT body FROM agent_loop_records WHERE run_id = ? ORDER BY round DESC LIMIT 1",
                              (run_id,)).fetchone()
             events = [body for body, in self._sql("SELECT body FROM agent_loop_events WHERE run_id = ? ORDER BY seq",
@@ -3258,19 +3223,11 @@ class SqlStore(Store):
         1): another process follows a run as it goes, and picks up where it left off."""
         return _trace(self._sql, run_id, after)
 
-    def _cancel_jobs(self, run_id, skip=""):
-        """Ask each unfinished job the run submitted to cancel: a queued one is cancelled, a running one asked. With
-        skip, the dialect's skip_locked, a job another connection holds this moment (its worker mid-save, or frozen
-        there) is left to end on its own: a run's end waits for no job worker."""
-        for job_id, in self._sql("SELECT id FROM agent_loop_jobs WHERE run_id = ? AND state IN ('queued', 'running') "
-                                 "ORDER BY id" + skip, (run_id,)).fetchall():
-            # Read again with its row locked, as the worker's calls read it: a finish committed meanwhile is final.
-            state, attempt = self._job(job_id)[:2]
-            if state in ("queued", "running"):
-                self._job_ends(job_id, "cancelled" if state == "queued" else "cancel_requested", attempt)
 
-    # Jobs: work that outlives a call. Its owner submits it and holds a receipt; a worker claims it under a lease,
-    # reports its progress, and finishes or fails it; the owner follows its events and fetches its result later.
+class _Jobs:
+    """A store's durable jobs: work that outlives a call. Its owner submits it under a key of its own and holds a
+    receipt; a worker claims it under a lease, reports its progress, and finishes or fails it; its owner follows its
+    events, may ask to cancel it, and fetches its result later."""
 
     @_on_its_thread
     def submit(self, owner, action_key, kind, params, deadline_seconds=None, max_attempts=2, run_id=None):
@@ -3279,9 +3236,8 @@ class SqlStore(Store):
         deadline failed); with others, JobError "key_conflict", and nothing changes. A new job beyond max_jobs
         unfinished ones: JobError "queue_full". Its deadline is deadline_seconds from now; its attempts,
         max_attempts: the first submit's. run_id: the named run that submits it (PART 15), which waits for it."""
-        for name, text in (("owner", owner), ("action_key", action_key), ("kind", kind)):
-            if not _a_name(text):
-                raise ValueError(f"{name} must be a string of 1 to 80 printable characters")
+        for what, text in (("owner", owner), ("action_key", action_key), ("kind", kind)):
+            _checked_name(what, text)
         if not _is_data(params):
             raise ValueError("params must be plain JSON data")
         if deadline_seconds is not None and not _a_time_limit(deadline_seconds):
@@ -3289,15 +3245,11 @@ class SqlStore(Store):
         if type(max_attempts) is not int or not 1 <= max_attempts <= _MOST:
             raise ValueError("max_attempts must be an int >= 1")
         if run_id is not None:
-            _checked_run_id(run_id)
+            _checked_name("run_id", run_id)
         request = _utf8_json([kind, params]).decode()
         # (A run's submit is fenced as its saves are: a worker that froze past its lease submits nothing on waking.)
-        try:
-            return self._submitted(owner, action_key, kind, params, request, deadline_seconds, max_attempts, run_id)
-        except self.error as error:
-            if self.dialect["trouble"](error) == _BUSY:
-                raise JobError("busy") from None
-            raise
+        return self._unless_busy(self._submitted, owner, action_key, kind, params, request, deadline_seconds,
+                                 max_attempts, run_id)
 
     def _submitted(self, owner, action_key, kind, params, request, deadline_seconds, max_attempts, run_id):
         with self._transaction(self.dialect["jobs"]):  # one submit at a time: ids, keys and the queue's size
@@ -3370,9 +3322,7 @@ class SqlStore(Store):
         with self._transaction():
             if not self._owns(owner, job_id):
                 return None
-            state, attempt = self._job(job_id)[:2]
-            if state in ("queued", "running"):
-                self._job_ends(job_id, "cancelled" if state == "queued" else "cancel_requested", attempt)
+            self._cancel_job(job_id)
             return self._receipt(job_id)
 
     @_on_its_thread
@@ -3409,8 +3359,8 @@ class SqlStore(Store):
                     job_id, state, attempt, most, deadline, kind, params = row
                     if state == "cancel_requested":
                         self._job_ends(job_id, "cancelled", attempt)
-                    elif deadline is not None and deadline <= now:
-                        self._job_ends(job_id, "failed", attempt, "deadline_exceeded")
+                    elif self._overdue(job_id, attempt, deadline, now):
+                        pass
                     elif state == "running" and attempt >= most:
                         self._job_ends(job_id, "failed", attempt, "lease_expired")
                     else:
@@ -3420,7 +3370,7 @@ class SqlStore(Store):
                         self._job_event(job_id, "claimed", attempt + 1)
                         return {"id": job_id, "attempt": attempt + 1, "kind": kind, "params": json.loads(params)}
         except self.error as error:
-            if self.dialect["trouble"](error) == _BUSY:
+            if self._busy(error):
                 return None
             raise
 
@@ -3466,8 +3416,8 @@ class SqlStore(Store):
             state, _, _, deadline, now = self._held_job(job_id, attempt)
             if state == "cancel_requested":
                 self._job_ends(job_id, "cancelled", attempt)
-            elif deadline is not None and deadline <= now:
-                self._job_ends(job_id, "failed", attempt, "deadline_exceeded")
+            elif self._overdue(job_id, attempt, deadline, now):
+                pass
             else:
                 print_ = fingerprint(result)
                 self._sql("UPDATE agent_loop_jobs SET result = ?, fingerprint = ? WHERE id = ?",
@@ -3506,24 +3456,22 @@ class SqlStore(Store):
     def _expire(self, job_id, now):
         """Fail the job if it waits in the queue past its deadline: no worker will ever start it."""
         row = self._job(job_id)
-        if row is not None and row[0] == "queued" and row[6] is not None and row[6] <= now:
-            self._job_ends(job_id, "failed", row[1], "deadline_exceeded")
+        if row is not None and row[0] == "queued":
+            self._overdue(job_id, row[1], row[6], now)
 
-    def _unless_busy(self, method, *args):
-        """method(*args), tried once more after ending a frozen worker's session that held its run or job (on
-        PostgreSQL); JobError "busy" while another connection still holds what it waits for, never the driver's
-        error."""
-        for last in (not self.dialect["unstall"], True):
-            try:
-                return method(*args)
-            except self.error as error:
-                if self.dialect["trouble"](error) != _BUSY:
-                    raise
-                if last:
-                    raise JobError("busy") from None
-            with contextlib.suppress(self.error):  # not allowed to end it: the next try says busy
-                self._unstall()
-                self._unstall_jobs()
+    def _overdue(self, job_id, attempt, deadline, now):
+        """True, the job failed (deadline_exceeded), if its deadline has passed: what came after counts for nothing."""
+        if deadline is not None and deadline <= now:
+            self._job_ends(job_id, "failed", attempt, "deadline_exceeded")
+            return True
+        return False
+
+    def _cancel_job(self, job_id):
+        """Ask the job to cancel, its row read again locked, as its worker's calls read it (a finish committed meanwhile
+        is final): a queued one is cancelled at once, a running one becomes cancel_requested, an ended one stays."""
+        state, attempt = self._job(job_id)[:2]
+        if state in ("queued", "running"):
+            self._job_ends(job_id, "cancelled" if state == "queued" else "cancel_requested", attempt)
 
     def _owns(self, owner, job_id):
         return type(job_id) is int and 0 < job_id <= _MOST and type(owner) is str and self._sql(
@@ -3569,35 +3517,68 @@ class SqlStore(Store):
         self._sql("INSERT INTO agent_loop_job_events VALUES (?, ?, ?)",
                   (job_id, (last or 0) + 1, json.dumps({"event": event, "attempt": attempt, **said})))
 
-    def close(self):
-        """Close the connection, if the store made it, and the store's thread; once closed, it stays closed."""
-        if self.made and self.db is not None and not self._thread.stopped:
-            self._thread.submit(self.db.close).result()
-        self._thread.stop()
 
-    def __enter__(self):
-        return self
+class SqlStore(_Runs, _Jobs, _Database, Store):
+    """Runs saved in a SQL database that a pool of workers can share: SQLite, or PostgreSQL through your connection.
 
-    def __exit__(self, *exception):
-        self.close()
+    connection: a sqlite3 connection, in autocommit (sqlite3.connect(path, isolation_level=None) or, on 3.12 and
+    later, autocommit=True) and usable from the store's thread (check_same_thread=False), or a psycopg 3 connection
+    in autocommit (psycopg.connect(conninfo, autocommit=True)), in a UTF8 (or SQL_ASCII) database: the store's
+    transactions are its own. It is yours: close it yourself. Or a function of no arguments that makes one: the
+    store calls it once, on its thread, and closes what it made in close(). The store makes its tables (agent_loop_*)
+    beside any of yours, and puts an SQLite file in write-ahead-log mode (a mode that stays); the module imports no
+    driver. Every call runs on the store's own thread, one at a time (yours wait for theirs): run_agent awaits them,
+    so that a slow or locked statement delays only the run that made it, never the loop.
 
+    A lease: a claim holds its run for lease_seconds (30 by default) on the store's clock (time.time: workers on
+    several machines need their clocks in sync), held by this store object, from the moment the claim took hold.
+    Each save renews it, and a running run renews it in the background every third of it (a renewal that fails
+    stops the run, never tried again); a run that ends, or pauses, lets it go, unless its task was cancelled while a
+    write ran. A save, a renewal or a call started after the lease ran out is refused: Superseded "lease_expired",
+    or "stale" once another worker has claimed the run.
 
-def _gives_seconds(clock):
-    """True if the clock, asked once, says a finite number of seconds."""
-    try:
-        now = clock()
-    except Exception:
-        return False
-    return type(now) in (int, float) and math.isfinite(now)
+    The queue: add(run_id) records a run that has not started; claim_next() leases the oldest unfinished run that no
+    live lease holds and that no pause holds (never started, crashed or frozen and past its lease, or let go) and
+    returns its id, or None (also while the database is too busy to tell); run_agent(..., store=store,
+    run_id=that_id) runs it under that lease (one it refuses with a ValueError is given back at once; set aside,
+    waiting for you, if it was saved with another registry or other limits, or is not a run it saved). A run claimed
+    by name instead is taken over, its holder fenced.
 
+    A worker that freezes (SIGSTOP, a debugger, a swapped-out machine) may freeze inside a transaction. On PostgreSQL no
+    statement waits on another's row for long (_LOCK_WAIT): a claim finds the run's locker, and once no live lease holds
+    the run (its lease ran out, or it has none) and the locker's transaction has lasted _STALLED, ends its session (the
+    store's role may signal its own sessions): a frozen holder holds its run about one lease, a frozen claimer about
+    _STALLED, then it is fenced, and its next statement fails when it wakes. A claim by name waits between its tries off
+    the store's thread, which serves the store's other runs meanwhile. SQLite has one lock for the whole database, which
+    no live process can take from another: a worker frozen inside a transaction holds every writer until it wakes or
+    dies. Meanwhile claim_next() says None and a save waits out the connection's busy timeout, then stops its run
+    store_failed. Durability is the database's: SQLite's here (the write-ahead log, synchronous=FULL), PostgreSQL's own
+    (synchronous_commit)."""
 
-def _driver_of(connection):
-    """The name of the driver whose connection this is (a subclass's too), if _DIALECTS knows it."""
-    for kind in type(connection).__mro__:
-        driver = kind.__module__.partition(".")[0]
-        if driver in _DIALECTS and driver in sys.modules:
-            return driver
-    return None
+    def __init__(self, connection, lease_seconds=30.0, clock=time.time, max_jobs=None, max_claims=3):
+        if type(lease_seconds) not in (int, float) or not 0.1 <= lease_seconds <= 86_400:
+            # Shorter, a lease could run out between a claim and the run's first save, every time.
+            raise ValueError("lease_seconds must be a number of seconds from 0.1 to a day")
+        self.clock = clock
+        try:  # asked once, it must say a finite number of seconds (_now)
+            fits = callable(clock) and self._now() is not None
+        except Exception:
+            fits = False
+        if not fits:
+            raise ValueError("clock must be a function of no arguments that gives seconds, such as time.time")
+        if max_jobs is not None and (type(max_jobs) is not int or max_jobs < 1):
+            raise ValueError("max_jobs must be an int >= 1, or None")
+        if type(max_claims) is not int or max_claims < 1:
+            raise ValueError("max_claims must be an int >= 1")
+        self.lease_seconds, self.made, self.db, self.closed = float(lease_seconds), False, None, False
+        self.max_jobs, self.max_claims = max_jobs, max_claims
+        self.holder = os.urandom(8).hex()  # whose lease it is: this store object's
+        self.leased = {}  # run id: the generation claim_next leased it under, until a run claims it
+        try:  # on the store's thread: a sqlite3 connection is used by the thread that checked it
+            self._thread.submit(self._open, connection).result()
+        except BaseException:
+            self.close()
+            raise
 
 
 _NOT_AUTOCOMMIT = "must be in autocommit mode: the store's transactions are its own"
@@ -3653,11 +3634,6 @@ def _psycopg_trouble(error):
     return _BUSY if state in ("55P03", "40P01") else "read-only: a store must write" if state == "25006" else None
 
 
-def _tuple_rows(cursor):
-    cursor.row_factory = None
-    return cursor
-
-
 def _text_rows(cursor):
     """psycopg rows as tuples, text as str: a database in SQL_ASCII gives bytes, which the store wrote as UTF-8."""
     return lambda values: tuple(value.decode() if type(value) is bytes else value for value in values)
@@ -3669,7 +3645,7 @@ _DIALECTS = {
         "mark": "?",  # a parameter's placeholder
         "unfit": _sqlite3_unfit,
         "trouble": _sqlite3_trouble,
-        "cursor": lambda db: _tuple_rows(db.cursor()),
+        "rows": None,  # the rows of a sqlite3 cursor: tuples
         "setup": ("PRAGMA journal_mode=WAL", "PRAGMA synchronous=FULL"),  # a save has reached the disk
         "tables": "SELECT name FROM sqlite_master WHERE type = 'table'",
         "begin": "BEGIN IMMEDIATE",  # one writer at a time, from the transaction's start: claims never interleave
@@ -3686,7 +3662,7 @@ _DIALECTS = {
         "mark": "%s",
         "unfit": _psycopg_unfit,
         "trouble": _psycopg_trouble,
-        "cursor": lambda db: db.cursor(row_factory=_text_rows),
+        "rows": _text_rows,
         "setup": (),
         "tables": "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()",
         # Whatever the session's default: a statement waits for the rows another transaction has locked, and then
@@ -3731,7 +3707,7 @@ def _overview(sql):
 
 def _trace(sql, run_id, after):
     """trace() on sql(statement, parameters)."""
-    _checked_run_id(run_id)
+    _checked_name("run_id", run_id)
     if type(after) is not int:
         raise ValueError("after must be an int")
     return [{"seq": seq, **json.loads(body)} for seq, body in sql(
@@ -4330,14 +4306,15 @@ async def _work(store, function, job):
     """Run one claimed job to its end: its result, its retry, its failure, or its cancel confirmed; Superseded if
     another worker holds it now, or the store stayed too busy to say so for a lease."""
     job_id, attempt, params = job["id"], job["attempt"], job["params"]
+    patiently = partial(_off_the_loop, store, _patiently, store, waits=True)  # a store's call from the loop, waited out
 
     async def kept():  # the lease, renewed every third of it while the function runs; Superseded once it is lost
         while True:
             await asyncio.sleep(store.lease_seconds / 3)
-            await _patiently(store, store.renew_job, job_id, attempt)
+            await patiently(store.renew_job, job_id, attempt)
 
     if type(params) is not dict:
-        await _patiently(store, store.fail, job_id, attempt, "params_not_an_object")
+        await patiently(store.fail, job_id, attempt, "params_not_an_object")
         return
     fenced = []  # this worker's own fence, met at a progress report (a Superseded the function raises is its failure)
 
@@ -4348,7 +4325,7 @@ async def _work(store, function, job):
     if _is_async(function):
         async def progress(done, total):
             try:
-                state = await _patiently(store, store.progress, job_id, attempt, done, total)
+                state = await patiently(store.progress, job_id, attempt, done, total)
             except Superseded as error:
                 raise met(error)
             if state == "cancel_requested":
@@ -4368,7 +4345,7 @@ async def _work(store, function, job):
     else:
         def progress(done, total):  # called in the function's thread: it waits for the store's answer
             try:
-                state = _patiently_here(store, store.progress, job_id, attempt, done, total)
+                state = _patiently(store, store.progress, job_id, attempt, done, total)
             except Superseded as error:
                 raise met(error)
             if state == "cancel_requested":
@@ -4384,52 +4361,34 @@ async def _work(store, function, job):
     finally:
         await _settle(running, keeper)
     if error is None and _is_data(running.result()):
-        await _patiently(store, store.finish, job_id, attempt, _copy(running.result()))
+        await patiently(store.finish, job_id, attempt, _copy(running.result()))
     elif isinstance(error, _Cancelled):
-        await _patiently(store, store.finish, job_id, attempt, None)  # confirmed: no result, cancelled
+        await patiently(store.finish, job_id, attempt, None)  # confirmed: no result, cancelled
     elif fenced:
         raise fenced[0]
     elif isinstance(error, RetryLater) and _a_wait(error.seconds):
-        await _patiently(store, store.fail, job_id, attempt, "retry_later", error.seconds)
+        await patiently(store.fail, job_id, attempt, "retry_later", error.seconds)
     else:  # its class's name, if that is a short code a job's error can be
         code = "result_not_data" if error is None else _error_type(error)
-        await _patiently(store, store.fail, job_id, attempt, code if _a_name(code) else "error")
+        await patiently(store.fail, job_id, attempt, code if _a_name(code) else "error")
 
 
-async def _patiently(store, method, *args):
-    """method(*args) on the store's thread, tried again while the database is busy (another connection holds what
-    it waits for) for up to a lease; then Superseded("busy"): the job's lease will run out, and it is another's. It
-    waits between tries on the loop: the store's thread serves other calls meanwhile, and no thread waits."""
-    waits = _busy_waits(store, args[0])
-    while True:
-        try:
-            return await _off_the_loop(store, method, *args)
-        except store.error as error:
-            if store.dialect["trouble"](error) != _BUSY:
-                raise
-        await asyncio.sleep(next(waits))
-
-
-def _patiently_here(store, method, *args):
-    """_patiently, in the thread that calls it (a plain job function's)."""
-    waits = _busy_waits(store, args[0])
+def _patiently(store, method, *args):
+    """method(*args), tried again while the database is busy (another connection holds what it waits for), for up to
+    a lease; then Superseded("busy"): the job's lease will run out, and it is another's. Each try is a call on the
+    store's thread; between them it waits from 0.01 s, doubling up to 0.5 s, in the thread that calls it (a plain job
+    function's, or one of its own for work_jobs: never the store's, which serves other calls meanwhile)."""
+    end, wait = time.monotonic() + store.lease_seconds, 0.01
     while True:
         try:
             return method(*args)
         except store.error as error:
-            if store.dialect["trouble"](error) != _BUSY:
+            if not store._busy(error):
                 raise
-        time.sleep(next(waits))
-
-
-def _busy_waits(store, job_id):
-    """The waits between the tries of a job's call the database was too busy for: from 0.01 s, doubling up to 0.5 s,
-    for up to a lease; then Superseded("busy")."""
-    end, wait = time.monotonic() + store.lease_seconds, 0.01
-    while time.monotonic() + wait <= end:
-        yield wait
+        if time.monotonic() + wait > end:
+            raise Superseded(args[0], "busy")
+        time.sleep(wait)
         wait = min(wait * 2, 0.5)
-    raise Superseded(job_id, "busy")
 
 
 # PART 15: a run that waits for its jobs without holding a process: a tool whose work is a job
@@ -4612,7 +4571,7 @@ async def see_store(path, follow=None):
             lines = [_run_line(run, now) for run in seen["runs"]] + [_job_line(job, now) for job in seen["jobs"]]
             print("\n".join(lines or ["(an empty store)"]))
             return
-        _checked_run_id(follow)
+        _checked_name("run_id", follow)
         if not await asyncio.to_thread(sql, "SELECT 1 FROM agent_loop_runs WHERE run_id = ?", (follow,)):
             raise ValueError(f"{path}: no run {follow!r}")  # (one added, not started yet, is a run: followed)
         after = 0

@@ -379,7 +379,7 @@ class McpServerTests(RuntimeTestCase):
         (example,) = code_blocks(readme_section("Tools from an MCP server"), "python")
         folder = os.path.dirname(self.files["MCP_NOTES"])
         with open(os.path.join(folder, "your_server.py"), "w") as server:
-            server.write(f"import sys\nsys.path.insert(0, {HERE!r})\nimport test_agent_loop\ntest_agent_loop.mcp_server()\n")
+            server.write(f"import sys\nsys.path.insert(0, {HERE!r})\nfrom tests.servers import mcp_server\nmcp_server()\n")
         namespace = {}
         exec(compile(example, "README.md", "exec"), namespace)
         model = scripted(calls(call("x", "lookup", code="XX")), calls(call("f", "lookup", code="FR")), final("France"))

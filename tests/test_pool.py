@@ -464,5 +464,5 @@ class LeaseTests(LeaseCase):
             with self.assertRaisesRegex(ValueError, "not a store"):
                 agent_loop.SqlStore(self.connect)
             tables = {name for name, in yours.cursor().execute(
-                agent_loop._DIALECTS[agent_loop._driver_of(yours)]["tables"]).fetchall()}
+                agent_loop._DIALECTS["sqlite3" if isinstance(yours, sqlite3.Connection) else "psycopg"]["tables"]).fetchall()}
             self.assertEqual(tables, {"agent_loop_runs"})
