@@ -1414,7 +1414,7 @@ COMMANDS = {"demo": ("the normal run, then north failing once (the default)", la
 def main(argv=None):
     """Run a command (name: its help, a function adding its options, its run): the demo by default; every_command()."""
     parser, args = _parsed(argv)
-    return _run_command(parser, every_command()[args.command][2], args)
+    return run_command(parser, every_command()[args.command][2], args)
 
 
 # PART 5, hard cases: the commands after the runtime, a reader who stops reading, and output that cannot be written
@@ -1440,8 +1440,9 @@ def _parsed(argv):
     return parser, args if args.command else parser.parse_args(["demo"])  # no command: the demo, as it is by default
 
 
-def _run_command(parser, run, args):
-    """Run a command to its end; 0, or 1 with one line on stderr for output that could not be written."""
+def run_command(parser, run, args):
+    """Run a command, the async run(args, parser), to its end: 0, or 1 with one line on standard error for output that
+    could not be written (none for a reader who stopped reading). The scripts beside the module run theirs with it."""
     if sys.stdout is None:  # started with its standard output closed (`>&-`): print() would drop every line
         print(f"{parser.prog}: error: cannot write the output: no standard output", file=sys.stderr)
         return 1

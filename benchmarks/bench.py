@@ -23,7 +23,7 @@ from functools import partial
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's root, for agent_loop
 
 from agent_loop import (  # noqa: E402
-    MODEL_COST, FunctionTools, Limits, SqlStore, TemporaryError, ToolSpec, _copy, _run_command, _show, call,
+    MODEL_COST, FunctionTools, Limits, SqlStore, TemporaryError, ToolSpec, _copy, run_command, _show, call,
     run_agent,
 )
 
@@ -425,7 +425,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Measure parallel batches, overhead, time limits, growth, the store "
                                                  "and the pool.")
     _bench_options(parser)
-    return _run_command(parser, lambda args, parser: bench(args.quick, args.json), parser.parse_args(argv))
+    return run_command(parser, lambda args, parser: bench(args.quick, args.json), parser.parse_args(argv))
 
 
 if __name__ == "__main__":

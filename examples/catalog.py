@@ -11,7 +11,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's root, for agent_loop
 
 from agent_loop import (  # noqa: E402
-    _CATALOG_SPECS, FunctionTools, _loaded, _run_command, _task, _utf8_json, chat_messages, chat_model, chat_tools,
+    _CATALOG_SPECS, FunctionTools, _loaded, run_command, _task, _utf8_json, chat_messages, chat_model, chat_tools,
     messages_input, messages_model, messages_tools, responses_input, responses_model, responses_tools, run_agent,
 )
 from examples.orders import _catalog_accepted, _catalog_model, _raised_version, order_catalog  # noqa: E402
@@ -100,7 +100,7 @@ def main(argv=None):
     """Print the chapter's numbers: 0, or 1 with one line on standard error."""
     parser = argparse.ArgumentParser(description="300 tools: what is found, loaded and sent, beside the full path; "
                                                  "the gate's boundaries.")
-    return _run_command(parser, lambda *_: catalog_numbers(), parser.parse_args(argv))
+    return run_command(parser, lambda *_: catalog_numbers(), parser.parse_args(argv))
 
 
 if __name__ == "__main__":

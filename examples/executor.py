@@ -16,7 +16,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's root, for agent_loop
 
 from agent_loop import (  # noqa: E402
-    FunctionTools, Limits, SqliteStore, TemporaryError, ToolSpec, _closed, _run_command, call, run_agent,
+    FunctionTools, Limits, SqliteStore, TemporaryError, ToolSpec, _closed, run_command, call, run_agent,
 )
 from examples.timeline import Timeline, _draw, _drawing_options, _svg_file  # noqa: E402
 
@@ -132,7 +132,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="The chapter's five tools: own time limits, retries, a cap on calls "
                                                  "in flight.")
     _drawing_options(lambda parser: None)(parser)
-    return _run_command(parser, _executor_command, parser.parse_args(argv))
+    return run_command(parser, _executor_command, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's root, for agent_loop
 
-from agent_loop import JobError, SqliteStore, Superseded, _run_command  # noqa: E402
+from agent_loop import JobError, SqliteStore, Superseded, run_command  # noqa: E402
 from examples.scenarios import run_scenario  # noqa: E402
 
 
@@ -181,7 +181,7 @@ async def jobs_chapter():
 def main(argv=None):
     """Run the chapter's experiments: 0, or 1 with one line on standard error."""
     parser = argparse.ArgumentParser(description="A durable job's lifecycle and its failures, on a clock of its own.")
-    return _run_command(parser, lambda *_: jobs_chapter(), parser.parse_args(argv))
+    return run_command(parser, lambda *_: jobs_chapter(), parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from functools import partial
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's root, for agent_loop
 
 from agent_loop import (  # noqa: E402
-    DATA, NOTE, TOOLS, Fixtures, Limits, SqliteStore, _called, _run_command, _show, _successes, call, fake_model,
+    DATA, NOTE, TOOLS, Fixtures, Limits, SqliteStore, _called, run_command, _show, _successes, call, fake_model,
     make_plan, run_agent, scripted, work_jobs,
 )
 from examples.orders import (  # noqa: E402
@@ -347,7 +347,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="One small, deterministic run per stop status, the later parts' "
                                                  "too, and why it stopped.")
     _atlas_options(parser)
-    return _run_command(parser, _atlas_command, parser.parse_args(argv))
+    return run_command(parser, _atlas_command, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import unicodedata
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's root, for agent_loop
 
 from agent_loop import (  # noqa: E402
-    DEMO_RUNS, Limits, _a_function, _callable_object, _called, _copy, _run_command, demo, fake_model, run_agent,
+    DEMO_RUNS, Limits, _a_function, _callable_object, _called, _copy, run_command, demo, fake_model, run_agent,
     show_run,
 )
 from examples.scenarios import ATLAS, _atlas_arguments, _atlas_command  # noqa: E402
@@ -458,7 +458,7 @@ def main(argv=None):
     parser.add_argument("name", nargs="?", choices=[scenario[0] for scenario in ATLAS], metavar="NAME",
                         help="a scenario of the atlas (examples/scenarios.py); the demo's runs without one")
     parser.add_argument("--svg", metavar="FILE", help="write the drawing to FILE as an SVG document")
-    return _run_command(parser, _drawn, parser.parse_args(argv))
+    return run_command(parser, _drawn, parser.parse_args(argv))
 
 
 if __name__ == "__main__":
