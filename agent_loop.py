@@ -27,7 +27,7 @@ import types
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property, partial, wraps
+from functools import cache, cached_property, partial, wraps
 
 
 # PART 1: the read-only snapshot, strict schemas, the plan, the tool registry, limits and errors
@@ -522,15 +522,11 @@ async def bounded(factory, seconds, cancel, *, cancel_wait=None):
         raise ValueError("seconds must be a finite number > 0")
     if cancel.is_set():
         raise Stop("cancelled")
-
-    async def awaited():
-        return await factory()  # called inside the job: whatever it raises, even at once, is the job's outcome
-
     own = [] if cancel_wait else [asyncio.create_task(cancel.wait())]  # run_agent keeps one for all of its waits
     loop, cancel_wait = asyncio.get_running_loop(), cancel_wait or own[0]
-    end, job = loop.time() + seconds, asyncio.create_task(awaited())
+    end, job = loop.time() + seconds, asyncio.create_task(_awaited(factory))
     try:
-        await asyncio.wait((job, cancel_wait), timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        await _first(job, cancel_wait, seconds)  # the job ends, the cancel event is set, or the time is up
         if cancel.is_set() or _was_set(cancel_wait):  # a set cancel wins, even over a job that also finished
             raise Stop("cancelled")
         if cancel_wait.done():  # the wait on the event failed, or something cancelled it: neither a cancel nor a time
@@ -608,6 +604,30 @@ class _Fault(Exception):
     def __init__(self, raised):
         super().__init__(raised)
         self.raised = raised
+
+
+async def _awaited(factory):
+    return await factory()  # called inside the job: whatever it raises, even at once, is the job's outcome
+
+
+async def _first(job, cancel_wait, seconds):
+    """Wait until the job ends, the wait on the cancel event ends, or `seconds` pass: asyncio.wait(FIRST_COMPLETED),
+    pared down to one future, one timer and two callbacks, as every call and decision of a run waits through it."""
+    woken = asyncio.get_running_loop().create_future()
+
+    def wake(_=None):
+        if not woken.done():
+            woken.set_result(None)
+
+    timer = woken.get_loop().call_later(seconds, wake)
+    job.add_done_callback(wake)
+    cancel_wait.add_done_callback(wake)
+    try:
+        await woken
+    finally:
+        timer.cancel()
+        job.remove_done_callback(wake)
+        cancel_wait.remove_done_callback(wake)
 
 
 def _a_time_limit(seconds):
@@ -805,7 +825,7 @@ class Run:
 
     def time_left(self):
         """The seconds left; Stop("cancelled") once the run is cancelled, Stop("deadline") once none are left."""
-        if self.cancel.is_set() or _was_set(self.cancel_wait):  # a cancel set and cleared at once still cancels
+        if self.cancel.is_set() or self.cancel_wait.done() and _was_set(self.cancel_wait):  # (set, then cleared)
             raise Stop("cancelled")
         left = self.deadline - asyncio.get_running_loop().time()
         if left <= 0:
@@ -1081,8 +1101,9 @@ def _parts():
     return globals().get("PARTS", ())
 
 
+@cache
 def _declared(name):
-    """What the later parts declare under name, in their order: (item, ...), or {key: item}."""
+    """What the later parts declare under name, in their order: (item, ...), or {key: item} (read-only: it is kept)."""
     if isinstance(getattr(Part, name), tuple):
         return tuple(item for kind in _parts() for item in getattr(kind, name))
     return {key: item for kind in _parts() for key, item in getattr(kind, name).items()}
@@ -1105,6 +1126,8 @@ async def _joined(run, options):
     """The parts that meet the run, each given its options, in the order of PARTS; then their seams, and what they
     serve."""
     for kind in _parts():
+        if kind.join.__func__ is Part.join.__func__:  # a part that only declares what it adds never joins
+            continue
         part = await kind.join(run, {name: options.get(name) for name in kind.options})
         if part is not None:
             run.parts += (part,)
@@ -2193,7 +2216,7 @@ class _Journal(Part):
     One run through a crash and its resume. Before the model is asked, the journal loads what the store holds for
     the run and checks it (plain data of the shapes it saves, the same registry and limits: else a ValueError, and a
     pool sets the run aside); then it claims the run, which fences any other holder, and loads and checks it again
-    (join). It saves at each step that spends, in one transaction each (save): the decision paid (before the model
+    (join). It saves at each step that spends, in one transaction each (_save): the decision paid (before the model
     is asked), the batch admitted (before its gate), each retry of a read (before it starts), each observation of a
     serial batch, the batch's observations, a refusal, the end; a run that may write saves more (_Writes). A crash
     keeps what was saved, and the same call later resumes the run (resume): used, history, the ledger and the repeat
@@ -2363,11 +2386,11 @@ class _Journal(Part):
         if aborted and not any(map(_fatal, done[:aborted[0]])):
             del done[aborted[0]:]  # settled: the calls that never started after it run now
             await _act(run, record)
-        await self.save(run)
+        await self._save(run)
         _stop_if_fatal(record)
         return value
 
-    async def save(self, run, value=None, end=None, used=None):
+    async def _save(self, run, value=None, end=None, used=None):
         """Save what changed since the last save (the run's end too), in one transaction; else Stop("superseded") if
         another process has claimed the run since, Stop("store_failed") if the store failed: nothing more is saved.
         used, if given, is saved in place of run.used (a retry's save: see retry)."""
@@ -2389,12 +2412,12 @@ class _Journal(Part):
         self.holding = self.holding and end is None and self.paused_at is None  # an end or a pause lets it go
         return value
 
-    spent = save  # a step that spends is saved at once
+    spent = _save  # a step that spends is saved at once
 
     async def retry(self, run):
         """A read's retry about to start (PART 12): its "retry" event saved first, with used as it stood between calls
         (the attempts in flight are not in it), so that a resume charges the cut calls once each and this retry too."""
-        await self.save(run, used=self.kept)
+        await self._save(run, used=self.kept)
 
     async def before_call(self, run, call, item):
         """Stop("superseded") if this process holds the run no longer (or a cancel was asked for)."""
@@ -2428,7 +2451,7 @@ class _Journal(Part):
         if self.waits is not None:
             self.paused_at = time.time()  # a pause: its time is not counted against the run's
         try:
-            await self.save(run, end=None if self.waits else (status, result["answer"]))
+            await self._save(run, end=None if self.waits else (status, result["answer"]))
         except Stop as stop:
             if self.lost is not None:
                 return _unsaved_end(result, self.lost)
@@ -2436,7 +2459,7 @@ class _Journal(Part):
             result, self.waits, self.paused_at = _unsaved_end(result, stop), None, None
             run.trace[-1] = result["trace"][-1]
             try:
-                await self.save(run, end=("cancelled", None))
+                await self._save(run, end=("cancelled", None))
             except Stop:
                 return _unsaved_end(result, self.lost or stop)
         return result
@@ -2509,9 +2532,7 @@ class _Writes(_Journal):
     approve: Callable | None = None  # the approval policy
     approvals: dict = field(default_factory=dict)  # the verdicts given, by call id
 
-    @classmethod
-    async def join(cls, run, given):
-        return None  # it joins as the journal of a run that may write (_Journal.join), with the journal's options
+    join = Part.join  # it joins as the journal of a run that may write (_Journal.join), with the journal's options
 
     async def _load(self, run):
         """The run as saved, checked as the journal checks it; then refused, before the claim, if this run cannot go on
@@ -2569,7 +2590,7 @@ class _Writes(_Journal):
             self.asked_at, self.waits = self.asked_at or time.time(), "approval"
             raise Stop("awaiting_approval", reason="a write awaits approval")
         self.asked_at = self.waits = None
-        await self.save(run)  # the verdicts, kept before the first call of the batch starts
+        await self._save(run)  # the verdicts, kept before the first call of the batch starts
         return None
 
     async def before_call(self, run, call, item):

@@ -2,6 +2,8 @@
 (test_agent_loop.py), and cut at the banner passes the runtime's test files; the later parts declare what they add.
 """
 
+import ast
+import inspect
 import os
 import re
 import shutil
@@ -109,6 +111,58 @@ class LaterPartsTests(unittest.TestCase):
         self.assertIn("superseded", every[len(STATUSES):])
         self.assertEqual(list(agent_loop.COMMANDS), ["demo"])
         self.assertEqual(list(agent_loop.every_command()), ["demo", "store"])
+
+    def test_every_seam_is_a_method_of_part_with_a_one_line_docstring_and_no_part_defines_another(self):
+        seams = [name for name, seam in vars(agent_loop.Part).items() if inspect.iscoroutinefunction(seam)]
+        self.assertEqual(seams, agent_loop._SEAMS)
+        self.assertGreaterEqual(len(seams), 10)
+        for name in seams:
+            doc = getattr(agent_loop.Part, name).__doc__
+            self.assertTrue(doc and "\n" not in doc.strip() and len(doc) <= 120, name)
+        for kind in agent_loop.PARTS:  # a part's own coroutines are seams, or helpers of its own (named _...)
+            for name, method in vars(kind).items():
+                if inspect.iscoroutinefunction(method) and not name.startswith("_"):
+                    self.assertIn(name, [*seams, "join", "retry"], f"{kind.__name__}.{name}")
+
+    def test_the_parts_meet_a_run_in_the_order_of_one_tuple(self):
+        self.assertEqual([kind.__name__ for kind in agent_loop.PARTS],
+                         ["ObservedRefusals", "_CatalogRun", "Attempts", "_JobRuns", "_Journal", "_Writes"])
+        self.assertEqual(set(agent_loop.Part.__subclasses__()) | {agent_loop._Writes}, set(agent_loop.PARTS))
+        source = inspect.getsource(agent_loop)
+        self.assertEqual(source.count("__subclasses__"), 0)  # nothing else says in what order parts come
+
+    def test_no_module_level_name_is_bound_twice(self):
+        tree = ast.parse(inspect.getsource(agent_loop))
+        names = []
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.append(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names += [target.id for target in targets if isinstance(target, ast.Name)]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names += [(alias.asname or alias.name).split(".")[0] for alias in node.names]
+        self.assertEqual([name for name in set(names) if names.count(name) > 1], [])
+
+    def test_no_part_names_a_later_parts_definition(self):
+        source = inspect.getsource(agent_loop)
+        lines = source.splitlines()
+        banners = [(number, int(m[1])) for number, line in enumerate(lines, 1) if (m := re.match(r"# PART (\d+):", line))]
+
+        def part(lineno):
+            return max((n for start, n in banners if start <= lineno), default=0)
+
+        tree = ast.parse(source)
+        defined = {}
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for name in [getattr(node, "name", None), *(t.id for t in targets if isinstance(t, ast.Name))]:
+                if name:
+                    defined.setdefault(name, part(node.lineno))
+        later = sorted({(part(node.lineno), getattr(node, "name", "?"), use.id, defined[use.id])
+                        for node in tree.body for use in ast.walk(node)
+                        if isinstance(use, ast.Name) and defined.get(use.id, 0) > part(node.lineno)})
+        self.assertEqual(later, [])
 
 
 class StandaloneRuntimeTests(unittest.TestCase):
