@@ -1,8 +1,10 @@
 """A small asyncio runtime that runs a model's tool calls under budgets, time limits and an independent final check.
 
     python3 agent_loop.py demo        # the normal run, then a run where north fails once
-    python3 agent_loop.py --help      # every command of the module: the scenarios, the bench, the later parts'
+    python3 agent_loop.py store PATH  # a store's runs and jobs (--help: the commands)
     python3 -m unittest               # the tests
+
+Beside it, scripts that use it as you would: examples/ (the atlas, a run drawn, the chapters' demos), benchmarks/.
 """
 
 import argparse
@@ -516,15 +518,22 @@ class Fixtures:
             self.finished.append(cid)
 
 
-async def bounded(factory, seconds, cancel, *, cancel_wait=None):
+async def bounded(factory, seconds, cancel):
     """Return the result of factory() run as a task, unless `seconds` pass first or `cancel` is set."""
     if not _a_time_limit(seconds):
         raise ValueError("seconds must be a finite number > 0")
     if cancel.is_set():
         raise Stop("cancelled")
-    own = [] if cancel_wait else [asyncio.create_task(cancel.wait())]  # run_agent keeps one for all of its waits
-    loop, cancel_wait = asyncio.get_running_loop(), cancel_wait or own[0]
-    end, job = loop.time() + seconds, asyncio.create_task(_awaited(factory))
+    cancel_wait = asyncio.create_task(cancel.wait())
+    try:
+        return await _bounded(factory, seconds, cancel, cancel_wait)
+    finally:
+        await _settle(cancel_wait)
+
+
+async def _bounded(factory, seconds, cancel, cancel_wait):
+    """bounded(), given a task that waits on the cancel event: run_agent keeps one for all of its waits."""
+    end, job = asyncio.get_running_loop().time() + seconds, asyncio.create_task(_awaited(factory))
     try:
         await _first(job, cancel_wait, seconds)  # the job ends, the cancel event is set, or the time is up
         if cancel.is_set() or _was_set(cancel_wait):  # a set cancel wins, even over a job that also finished
@@ -532,16 +541,15 @@ async def bounded(factory, seconds, cancel, *, cancel_wait=None):
         if cancel_wait.done():  # the wait on the event failed, or something cancelled it: neither a cancel nor a time
             raise _Fault(_CANCEL_WAIT_FAILED)
         # A job that held the loop past its limit (a slow copy, a blocking call) finished late, not within it.
-        if not job.done() or loop.time() > end:
+        if not job.done() or asyncio.get_running_loop().time() > end:
             raise TimeoutError
         raised = asyncio.CancelledError() if job.cancelled() else job.exception()  # (cancelled by nobody but itself)
-        # Stop is the runtime's own signal, and a BaseException such as GeneratorExit would end the run's task:
-        # raised by the job, either is the job's fault, and the run goes on to say so.
+        # Stop is the runtime's own signal, and a BaseException would end the run's task: the job's fault, said so.
         if raised is not None and (isinstance(raised, Stop) or not isinstance(raised, Exception)):
             raise _Fault(type(raised))
         return job.result()
     finally:
-        await _settle(job, *own)  # no task outlives the call: what still runs is cancelled and awaited
+        await _settle(job)  # no task outlives the call: what still runs is cancelled and awaited
 
 
 def call(cid, name="read_partition", **args):
@@ -834,7 +842,7 @@ class Run:
 
     async def wait(self, factory, seconds):
         """factory()'s result, bounded by `seconds` cut to the time left, and by the run's cancel event."""
-        return await bounded(factory, min(seconds, self.time_left()), self.cancel, cancel_wait=self.cancel_wait)
+        return await _bounded(factory, min(seconds, self.time_left()), self.cancel, self.cancel_wait)
 
     async def seam(self, name, value=None, *args):
         """What the later parts the run meets make of value at the seam `name`, each in turn that has it (see Part)."""
@@ -965,8 +973,9 @@ async def _observe(run, item):
         return _failure(item, str(stop), False)
     run.used["calls"] += 1
     run.used["credits"] += spec.cost
-    try:  # the tools' answer, or a later part's own (run.serves)
-        obs = _success(item, await run.wait(lambda: run.serves.get(item["name"], run.tools.invoke)(call), seconds))
+    try:  # the tools' answer, or a later part's own (run.serves); seconds already within the time left
+        invoke = run.serves.get(item["name"], run.tools.invoke)
+        obs = _success(item, await _bounded(lambda: invoke(call), seconds, run.cancel, run.cancel_wait))
     except Exception as error:
         obs = _tool_failure(item, error, spec.read_only)
     return await run.seam("after_call", obs, item)
@@ -1358,7 +1367,7 @@ async def _watch(run, event):
                 await bounded(lambda: _called(run.on_event, event), 1e-9, asyncio.Event())
             else:
                 seconds = max(min(run.limits.tool_seconds, run.deadline - asyncio.get_running_loop().time()), 1e-9)
-                await bounded(lambda: _called(run.on_event, event), seconds, run.cancel, cancel_wait=run.cancel_wait)
+                await _bounded(lambda: _called(run.on_event, event), seconds, run.cancel, run.cancel_wait)
 
 
 def _success(item, data):
@@ -1384,7 +1393,7 @@ async def _decision(run, model):
     view = _copy(run.history)
     seconds = min(run.limits.model_seconds, run.time_left())  # read after the copy, which takes time too
     try:
-        return await run.wait(decided, seconds)
+        return await _bounded(decided, seconds, run.cancel, run.cancel_wait)
     except TimeoutError:
         run.time_left()  # a cancel or the deadline explains the timeout better
         raise Stop("model_timeout") from None
@@ -3789,7 +3798,7 @@ _STORE_COLUMNS = ("run_id, generation, added, config, started, state, status, an
 # PART 12: a call's attempts: a read tried again after a transient failure, unseen by the model (full jitter, inside
 # the budgets and the deadline), and a cap on the calls of a batch in flight
 
-TRANSIENT = ("temporary", "tool_timeout")  # the failures after which a read may be tried again (ToolSpec.retries)
+TRANSIENT = ("temporary", "tool_timeout", "tool_error")  # the failures after which a read may be tried again (ToolSpec.retries)
 
 
 class Attempts(Part):
@@ -4545,12 +4554,12 @@ PARTS = (ObservedRefusals, _CatalogRun, Attempts, _JobRuns, _Journal, _Writes)
 
 # ======================================================================================================================
 # Around the runtime. The module cut above this banner (with its __main__ block) is the whole runtime: your own tools,
-# refusals observed, the bridges, MCP, named runs, writes and the pool. Below it is only what serves around it: the
-# atlas of scenarios and its doubles, the benchmark, the timeline, and the commands beyond demo.
+# refusals observed, the bridges, MCP, named runs, writes, the pool, retries, the catalog and jobs. Below it is only
+# an operator's command: a store's runs and jobs, seen from outside.
 # ======================================================================================================================
 
 
-# PART 22: see a store: its runs and jobs, a line each, and a run's events as they are saved
+# PART 16: see a store: its runs and jobs, a line each, and a run's events as they are saved
 
 def _until(holder, until, now):
     """Who holds a lease and until when, for a person: "-" if nobody does."""
