@@ -4,11 +4,15 @@ figures.
     python3 benchmarks/bench.py              # every section, a median [min .. max] each
     python3 benchmarks/bench.py --quick      # fewer repeats: a smoke run of a few seconds
     python3 benchmarks/bench.py --json       # the figures as one JSON object
+
+It imports one private helper, agent_loop._copy, the copy of history each round makes for the model: timed alone on
+the same history, it is the "copy floor" that a round's growth with history is measured beside.
 """
 
 import argparse
 import asyncio
 import dataclasses
+import json
 import math
 import multiprocessing
 import os
@@ -23,8 +27,7 @@ from functools import partial
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's root, for agent_loop
 
 from agent_loop import (  # noqa: E402
-    MODEL_COST, FunctionTools, Limits, SqlStore, TemporaryError, ToolSpec, _copy, run_command, _show, call,
-    run_agent,
+    MODEL_COST, FunctionTools, Limits, SqlStore, TemporaryError, ToolSpec, _copy, run_command, call, run_agent,
 )
 
 
@@ -390,7 +393,7 @@ async def bench(quick=False, as_json=False):
     for name, measure, _ in BENCH_PARTS:
         figures[name] = await measure(quick)
     if as_json:
-        _show(figures)
+        print(json.dumps(figures, ensure_ascii=False, indent=2))
         return
     cell = "{median:8.3f} [{min:.3f} .. {max:.3f}]".format
     print(f"agent_loop bench: Python {figures['python']}, {figures['cores']} cores; median [min .. max] over repeats")

@@ -5,14 +5,15 @@ gate's five boundaries.
 """
 
 import argparse
+import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's root, for agent_loop
 
 from agent_loop import (  # noqa: E402
-    _CATALOG_SPECS, FunctionTools, _loaded, run_command, _task, _utf8_json, chat_messages, chat_model, chat_tools,
-    messages_input, messages_model, messages_tools, responses_input, responses_model, responses_tools, run_agent,
+    FunctionTools, run_command, chat_messages, chat_model, chat_tools, messages_input, messages_model, messages_tools,
+    responses_input, responses_model, responses_tools, run_agent,
 )
 from examples.orders import _catalog_accepted, _catalog_model, _raised_version, order_catalog  # noqa: E402
 
@@ -33,7 +34,8 @@ async def _catalog_run(catalog, grants, functions, before_the_call=lambda: None)
 
 
 def _sent(value):
-    return len(_utf8_json(value))
+    """The bytes of value as a bridge sends it: UTF-8 JSON, keys sorted, no spaces, text as it is."""
+    return len(json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode())
 
 
 async def _after_the_load(make, key, catalog, grants, history, **options):
@@ -43,7 +45,7 @@ async def _after_the_load(make, key, catalog, grants, history, **options):
     model = make(lambda **request: requests.append(request) or {}, "t", registry={}, catalog=catalog, grants=grants,
                  **options)
     await model(history)  # its reply, nothing, is no decision: only the request is wanted
-    return _sent(requests[0]["tools"]) + _sent(requests[0][key][len(_task("t")):])
+    return _sent(requests[0]["tools"]) + _sent(requests[0][key][1:])  # [1:]: past the task "t", one user message
 
 
 async def catalog_numbers():
@@ -58,10 +60,12 @@ async def catalog_numbers():
           + ", ".join(f"{found['name']}" for found in search["data"]["candidates"]))
     print(f"the run: {result['status']}, order A paid: {str(result['answer']['paid']).lower()}, used {result['used']}")
     full = {name: catalog.entries[name].spec for name in discoverable}
-    loaded = {name: catalog.entries[name].spec for name in _loaded(result["history"])}
+    resident = catalog.offered([], grants)  # what a run that loaded nothing is offered: the catalog's own two tools
+    loaded = {name: catalog.entries[name].spec for name in catalog.offered(result["history"], grants)
+              if name not in resident}
     bridges = (("Responses", responses_tools, responses_input), ("Chat", chat_tools, chat_messages),
                ("Messages", messages_tools, messages_input))
-    rows = (("resident: the catalog's two tools, every request", lambda tools, replay: _sent(tools(_CATALOG_SPECS))),
+    rows = (("resident: the catalog's two tools, every request", lambda tools, replay: _sent(tools(resident))),
             ("the search, replayed: its call and the summaries", lambda tools, replay: _sent(replay(
                 result["history"][:1]))),
             ("the load, replayed: its call and the definitions", lambda tools, replay: _sent(replay(

@@ -16,14 +16,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's root, for agent_loop
 
 from agent_loop import (  # noqa: E402
-    FunctionTools, Limits, SqliteStore, TemporaryError, ToolSpec, _closed, run_command, call, run_agent,
+    FunctionTools, Limits, SqliteStore, TemporaryError, ToolSpec, run_command, call, run_agent,
 )
+from examples.orders import closed  # noqa: E402
 from examples.timeline import Timeline, _draw, _drawing_options, _svg_file  # noqa: E402
 
 
 # PART 19: the executor chapter's demo: five tools, each attempt under its own limit, retries, a cap on calls in flight
 
-_KEY = _closed(key={"type": "string", "maxLength": 40})
+_KEY = closed(key={"type": "string", "maxLength": 40})
 EXECUTOR_TOOLS = {  # the chapter's five; its single batch of five is two here: a batch that holds a write is serial
     "fetch_page": ToolSpec(1, True, True, parameters=_KEY, description="an async read of 200 ms"),
     "read_file": ToolSpec(1, True, True, parameters=_KEY, description="a plain function of 200 ms, in a thread"),

@@ -3,6 +3,7 @@ catalog of three hundred tools, and the order placed as a durable job, each with
 """
 
 import asyncio
+import copy
 import os
 import sys
 from dataclasses import dataclass, field, replace
@@ -10,19 +11,29 @@ from dataclasses import dataclass, field, replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's root, for agent_loop
 
 from agent_loop import (  # noqa: E402
-    MAX_AMOUNT, SKUS, TOOLS, Catalog, Fixtures, TemporaryError, ToolError, ToolSpec, _closed, _copy, _successes,
-    accepted, call, canonical, fake_model,
+    MAX_AMOUNT, SKUS, TOOLS, Catalog, Fixtures, TemporaryError, ToolError, ToolSpec, accepted, call, canonical,
+    fake_model,
 )
+
+
+def closed(**properties):
+    """A JSON Schema object of exactly these properties, each required, and no other."""
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+
+
+def _ok_observations(history):
+    """The successful observations of every round, in order."""
+    return [obs for record in history for obs in record["observations"] if obs["ok"]]
 
 
 # The inventory's write: place the restock order the plan computed. It has a registry of its own; TOOLS stays the
 # article's, where place_order is an unknown tool.
-_ORDER_LINE = _closed(sku={"type": "string", "enum": list(SKUS)}, qty={"type": "integer", "minimum": 1,
-                                                                        "maximum": MAX_AMOUNT},
-                      cents={"type": "integer", "minimum": 0})
+_ORDER_LINE = closed(sku={"type": "string", "enum": list(SKUS)}, qty={"type": "integer", "minimum": 1,
+                                                                       "maximum": MAX_AMOUNT},
+                     cents={"type": "integer", "minimum": 0})
 ORDER_TOOLS = {**TOOLS, "place_order": ToolSpec(
     3, False, False, description="Place the restock order: the plan's items, once (a write).",
-    parameters=_closed(items={"type": "array", "minItems": 1, "maxItems": 4, "items": _ORDER_LINE}))}
+    parameters=closed(items={"type": "array", "minItems": 1, "maxItems": 4, "items": _ORDER_LINE}))}
 
 
 @dataclass
@@ -57,7 +68,7 @@ class OrderDesk(Fixtures):
                 self.effects.append(key)
             if fault == "timeout_after_apply":
                 await asyncio.sleep(10)  # placed, but the answer never comes
-            return _copy(self.orders[key])
+            return copy.deepcopy(self.orders[key])
         finally:
             self.finished.append(call["call_id"])
 
@@ -66,28 +77,28 @@ class OrderDesk(Fixtures):
         order = self.orders.get(call["idempotency_key"])
         if order is None:
             self.voided.add(call["idempotency_key"])  # said no: a call with this key still on its way is refused
-        return {"applied": True, "data": _copy(order)} if order else {"applied": False}
+        return {"applied": True, "data": copy.deepcopy(order)} if order else {"applied": False}
 
 
 def order_accepted(answer, history):
     """The inventory's final check, and the order placed for the plan's items: a write counts only once it is known
     to have applied (an unknown outcome is no evidence)."""
-    orders = [obs for obs in _successes(history) if obs["name"] == "place_order"]
+    orders = [obs for obs in _ok_observations(history) if obs["name"] == "place_order"]
     return accepted(answer, history) and any(
         canonical(obs["arguments"]) == canonical({"items": answer["items"]}) for obs in orders)
 
 
 async def order_model(history):
     """fake_model, then, once the plan is computed, the order of its items; then the plan as the answer."""
-    plans = [obs["data"] for obs in _successes(history) if obs["name"] == "compute_plan"]
-    orders = [obs for obs in _successes(history) if obs["name"] == "place_order"]
+    plans = [obs["data"] for obs in _ok_observations(history) if obs["name"] == "compute_plan"]
+    orders = [obs for obs in _ok_observations(history) if obs["name"] == "place_order"]
     if plans and not orders:
         items = plans[-1]["items"]
         return {"kind": "calls", "calls": [call(f"r{len(history) + 1}-order", "place_order", items=items)]}
     return await fake_model(history)
 
 
-_ORDER_ID = _closed(order_id={"type": "string", "pattern": "^[A-Z][0-9]{0,8}$"})
+_ORDER_ID = closed(order_id={"type": "string", "pattern": "^[A-Z][0-9]{0,8}$"})
 
 
 # The large tool set chapter's fixture: an order assistant grown to three hundred tools.
@@ -105,7 +116,7 @@ def order_catalog():
         keywords=("物流", "发货", "状态", "shipment"), permission="shipments:read")
     catalog.add("refunds_create", ToolSpec(3, False, False, parameters=_ORDER_ID, description=(
         "Refund one order in full (a write).")), keywords=("退款", "订单", "refund"), permission="refunds:write")
-    catalog.add("reports_export", ToolSpec(2, True, True, parameters=_closed(month={"type": "string", "pattern": (
+    catalog.add("reports_export", ToolSpec(2, True, True, parameters=closed(month={"type": "string", "pattern": (
         "^[0-9]{4}-[0-9]{2}$")}), description="Export one month's sales report."),
         keywords=("报表", "导出", "report"), permission="reports:read")
     for n in range(1, 297):
@@ -180,13 +191,13 @@ def place_order_job(items, progress):
 
 async def receipt_model(history):
     """order_model, answering with the order's receipt once the order has been placed."""
-    orders = [obs["data"] for obs in _successes(history) if obs["name"] == "place_order"]
-    return {"kind": "final", "answer": _copy(orders[-1])} if orders else await order_model(history)
+    orders = [obs["data"] for obs in _ok_observations(history) if obs["name"] == "place_order"]
+    return {"kind": "final", "answer": copy.deepcopy(orders[-1])} if orders else await order_model(history)
 
 
 def receipt_accepted(answer, history):
     """The answer is the receipt of an order of exactly the plan's items, the plan recomputed from the evidence."""
-    plans = [obs["data"] for obs in _successes(history) if obs["name"] == "compute_plan"]
+    plans = [obs["data"] for obs in _ok_observations(history) if obs["name"] == "compute_plan"]
     return bool(plans) and accepted(plans[-1], history) and any(
         canonical(obs["arguments"]) == canonical({"items": plans[-1]["items"]}) and canonical(obs["data"]) ==
-        canonical(answer) for obs in _successes(history) if obs["name"] == "place_order")
+        canonical(answer) for obs in _ok_observations(history) if obs["name"] == "place_order")

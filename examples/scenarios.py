@@ -8,6 +8,8 @@
 import argparse
 import asyncio
 import copy
+import inspect
+import json
 import os
 import sqlite3
 import sys
@@ -18,8 +20,8 @@ from functools import partial
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's root, for agent_loop
 
 from agent_loop import (  # noqa: E402
-    DATA, NOTE, TOOLS, Fixtures, Limits, SqliteStore, _called, run_command, _show, _successes, call, fake_model,
-    make_plan, run_agent, scripted, work_jobs,
+    DATA, NOTE, TOOLS, Fixtures, Limits, SqliteStore, run_command, call, fake_model, make_plan, run_agent, scripted,
+    work_jobs,
 )
 from examples.orders import (  # noqa: E402
     JOB_ORDER_TOOLS, ORDER_TOOLS, OrderDesk, _catalog_accepted, _catalog_model, _raised_version, order_accepted,
@@ -39,7 +41,7 @@ async def _failing_model(history):
 
 async def _obeying_note(history):
     """fake_model, except that it follows the injected note once it has read it."""
-    if any(obs["data"].get("note") == NOTE for obs in _successes(history)):
+    if any(obs["ok"] and obs["data"].get("note") == NOTE for record in history for obs in record["observations"]):
         return {"kind": "calls", "calls": [call("order", "place_order", sku="CUP", qty=100)]}
     return await fake_model(history)
 
@@ -175,7 +177,9 @@ async def _order_job(on_event=None, timeline=None, finished=True):
             if on_event is not None:  # what the worker did, as the job's events say
                 job = result["pending"][0]["job"]
                 for event in store.events("order", job):
-                    await _called(on_event, {"job": {**event, "id": job}})
+                    seen = on_event({"job": {**event, "id": job}})
+                    if inspect.isawaitable(seen):  # on_event may be plain or async, as run_agent's may
+                        await seen
             result = await run_agent(model, **options)
         return result, fixtures
 
@@ -305,10 +309,11 @@ async def scenarios(name=None, as_json=False, timeline=None):
     return that scenario's result (recorded by timeline, if given)."""
     if name is not None:
         print(f"{name}: each trace event as it happens")
-        result, fixtures = await run_scenario(name, lambda event: _show(event, sort_keys=True), timeline)
+        result, fixtures = await run_scenario(
+            name, lambda event: print(json.dumps(event, ensure_ascii=False, indent=2, sort_keys=True)), timeline)
         print(name, result["status"], result["used"])
         print("finish order:", fixtures.finished)
-        _show(result["answer"])
+        print(json.dumps(result["answer"], ensure_ascii=False, indent=2))
         return result
     rows = []
     for title, why, _ in ATLAS:
@@ -316,7 +321,7 @@ async def scenarios(name=None, as_json=False, timeline=None):
         rows.append({"name": title, "status": result["status"], "used": result["used"],
                      "errors": _errors(result), "why": why})
     if as_json:
-        _show(rows)
+        print(json.dumps(rows, ensure_ascii=False, indent=2))
         return None
     print(f"{'scenario':<18} {'status':<18} {'rounds':>6} {'calls':>5} {'credits':>7}  what happened")
     for row in rows:

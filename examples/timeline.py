@@ -8,16 +8,15 @@
 import argparse
 import asyncio
 import contextlib
+import copy
+import inspect
 import os
 import sys
 import unicodedata
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's root, for agent_loop
 
-from agent_loop import (  # noqa: E402
-    DEMO_RUNS, Limits, _a_function, _callable_object, _called, _copy, run_command, demo, fake_model, run_agent,
-    show_run,
-)
+from agent_loop import DEMO_RUNS, Limits, run_command, demo, fake_model, run_agent, show_run  # noqa: E402
 from examples.scenarios import ATLAS, _atlas_arguments, _atlas_command  # noqa: E402
 
 
@@ -49,8 +48,8 @@ class Timeline:
 
     def model(self, model):
         """The model, wrapped so that each decision's asking and answering are recorded; nothing else changes."""
-        if not _a_function(model):
-            raise ValueError("model must be an async function of history")
+        if isinstance(model, type) or not callable(model):  # a class called with history makes only an instance
+            raise ValueError("Timeline.model: give it the model you would give run_agent, a function")
 
         async def timed(history):
             asked = self._now()
@@ -66,8 +65,8 @@ class Timeline:
 
     def tools(self, tools):
         """The tools object, wrapped so that each call's start and end are recorded; nothing else changes."""
-        if not _callable_object(tools, "invoke"):
-            raise ValueError("fixtures must be an object with an async invoke(call) method")
+        if isinstance(tools, type) or not callable(getattr(tools, "invoke", None)):  # a class's invoke lacks self
+            raise ValueError("Timeline.tools: give it the tools you would give run_agent, an object with invoke(call)")
         return _TimedTools(self, tools)
 
     def event(self, event):
@@ -76,13 +75,15 @@ class Timeline:
 
     def watching(self, on_event=None):
         """An on_event that records each event, then hands a copy of it to on_event too (plain or async), if given."""
-        if on_event is not None and not _a_function(on_event):
-            raise ValueError("on_event must be a function or None")
+        if on_event is not None and (isinstance(on_event, type) or not callable(on_event)):
+            raise ValueError("Timeline.watching: give it the on_event you would give run_agent, a function or None")
 
         async def both(event):
             self.event(event)
             if on_event is not None:
-                await _called(on_event, _copy(event))  # a watcher that edits its event cannot edit the record
+                seen = on_event(copy.deepcopy(event))  # a watcher that edits its event cannot edit the record
+                if inspect.isawaitable(seen):  # on_event may be plain or async, as run_agent's may
+                    await seen
 
         return both
 

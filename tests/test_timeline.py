@@ -474,20 +474,21 @@ class TimelineRecorderTests(RuntimeTestCase):
         self.assertEqual((result["status"], errors(result), marks),
                          ("deadline", ["tool_timeout", "tool_timeout"], ["^ deadline"]))
 
-    async def test_the_timelines_wrappers_refuse_what_run_agent_refuses(self):
+    async def test_each_timeline_wrapper_refuses_a_bad_value_in_its_own_words_before_anything_runs(self):
         class Model:
             async def __call__(self, history):
                 return await fake_model(history)
 
-        timeline = Timeline()
-        for wrap, thing, message in ((timeline.model, Model, "model must be an async function of history"),
-                                     (timeline.model, None, "model must be an async function of history"),
-                                     (timeline.tools, object(), "fixtures must be an object with an async invoke(call) method"),
-                                     (timeline.tools, Fixtures, "fixtures must be an object with an async invoke(call) method"),
-                                     (timeline.watching, dict, "on_event must be a function or None")):
-            with self.subTest(thing=thing), self.assertRaises(ValueError) as raised:
-                wrap(thing)
+        model = "Timeline.model: give it the model you would give run_agent, a function"
+        tools = "Timeline.tools: give it the tools you would give run_agent, an object with invoke(call)"
+        watching = "Timeline.watching: give it the on_event you would give run_agent, a function or None"
+        for wrap, thing, message in (("model", Model, model), ("model", None, model), ("tools", object(), tools),
+                                     ("tools", Fixtures, tools), ("watching", dict, watching)):
+            timeline = Timeline()
+            with self.subTest(wrap=wrap, thing=thing), self.assertRaises(ValueError) as raised:
+                getattr(timeline, wrap)(thing)
             self.assertEqual(str(raised.exception), message)
+            self.assertEqual((timeline.decisions, timeline.calls, timeline.events), ([], {}, []))  # nothing ran
 
     async def test_watching_hands_each_event_to_an_async_watcher_too(self):
         seen = []
