@@ -853,7 +853,7 @@ class Run:
     async def emit(self, event, spent=False):
         """Trace the event (and keep it first, if it ends a step that spends), then let the watcher see it."""
         self.trace.append(event)
-        if spent:
+        if spent and self.parts:
             await self.seam("spent")
         await _watch(self, event)
 
@@ -874,12 +874,11 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
 
     Returns a copy of {"status": one of every_status(), "answer": None unless completed, "used": {"rounds", "calls",
     "credits"}, "history": a {"round", "calls", "observations"} per round, "trace": its events}. Each event counts
-    what was used so far: "decision" (its "kind"), "retry" (a read tried again: its "call_id", "attempt" and the
-    error it retries "after"; its observation then says how many "attempts"), "observations" (the "ids" in request
-    order, "parallel"), "stop" (the "status"; a failed run's says why: "call_id", "name", "reason", "error_type",
-    or the "rejected" answer). accept is the final check, a plain function of copies of the answer and history;
-    on_event, a plain or async function, watches a copy of each event; on_refused names what a refused batch becomes:
-    "stop" (the run stops) or a later part's policy ("observe"); options are the later parts' (Part.options)."""
+    what was used so far: "decision" (its "kind"), "observations" (the "ids" in request order, "parallel"), "stop" (the
+    "status"; a failed run's says why: "call_id", "name", "reason", "error_type", or the "rejected" answer), and the
+    later parts' own (a read's "retry": Attempts). accept is the final check, a plain function of copies of the answer
+    and history; on_event, a plain or async function, watches a copy of each event; on_refused names what a refused
+    batch becomes: "stop" (the run stops) or a later part's policy ("observe"); options are the later parts'."""
     run = await _checked_run(model, limits, fixtures, cancel, registry, accept, on_refused, on_event, options)
     try:
         ended = await run.seam("resume")  # a saved run put back where it stopped; an ended one, its stored result
@@ -956,7 +955,8 @@ async def _act(run, record):
         for item in calls:  # one by one; after a failure the model cannot retry, the rest never starts
             aborted = done and _fatal(done[-1])
             done.append(_failure(item, "batch_aborted", False) if aborted else await tried(item))
-            await run.seam("spent")  # each observation of a serial batch kept as soon as it is known
+            if run.parts:
+                await run.seam("spent")  # each observation of a serial batch kept as soon as it is known
     await run.emit({"event": "observations", "round": record["round"], "ids": _ids(record), "parallel": parallel,
                     **run.used}, spent=True)
     run.time_left()  # continue or stop: recoverable errors stay as observations for the next decision
@@ -965,20 +965,19 @@ async def _act(run, record):
 
 async def _observe(run, item):
     """Run one admitted call and return its observation; nothing it raises escapes."""
-    spec = run.registry[item["name"]]
+    spec, invoke = run.registry[item["name"]], run.serves.get(item["name"], run.tools.invoke)  # (a part's own tool)
     try:  # the tool gets a copy of its call: one that edits it cannot edit history
-        call = await run.seam("before_call", _copy(item), item)
+        call = await run.seam("before_call", _copy(item), item) if run.parts else _copy(item)
         seconds = min(spec.seconds or run.limits.tool_seconds, run.time_left())  # a tool's own limit, if it has one
     except Stop as stop:  # overtaken by a stop: neither started nor counted
         return _failure(item, str(stop), False)
     run.used["calls"] += 1
     run.used["credits"] += spec.cost
-    try:  # the tools' answer, or a later part's own (run.serves); seconds already within the time left
-        invoke = run.serves.get(item["name"], run.tools.invoke)
+    try:  # (seconds already within the time left)
         obs = _success(item, await _bounded(lambda: invoke(call), seconds, run.cancel, run.cancel_wait))
     except Exception as error:
         obs = _tool_failure(item, error, spec.read_only)
-    return await run.seam("after_call", obs, item)
+    return await run.seam("after_call", obs, item) if run.parts else obs
 
 
 # PART 4, hard cases: what run_agent is given, checked before the model is asked; the seams where later parts join;
@@ -3798,7 +3797,7 @@ _STORE_COLUMNS = ("run_id, generation, added, config, started, state, status, an
 # PART 12: a call's attempts: a read tried again after a transient failure, unseen by the model (full jitter, inside
 # the budgets and the deadline), and a cap on the calls of a batch in flight
 
-TRANSIENT = ("temporary", "tool_timeout", "tool_error")  # the failures after which a read may be tried again (ToolSpec.retries)
+TRANSIENT = ("temporary", "tool_timeout")  # the failures after which a read may be tried again (ToolSpec.retries)
 
 
 class Attempts(Part):
@@ -3813,7 +3812,8 @@ class Attempts(Part):
     still to come (each call once, and the retries decided before), and if its wait ends before the deadline; a
     cancel ends the wait. The model sees one observation per call, the first success or the last failure of an
     attempt that started, with "attempts" once more than one started; the trace has a "retry" event as each retry is
-    about to start, saying after what error (a named run saves it first: a resume charges that retry).
+    about to start (its "call_id", its "attempt", the error it retries "after": a named run saves it first, and a
+    resume charges that retry).
     Limits.attempts counts the model's calls of a signature, never these. A plain function's attempt that timed out
     runs on in its thread (FunctionTools): its retry starts a thread of its own, so the cap bounds the attempts the
     run waits for, not the threads it gave up on."""
