@@ -840,10 +840,6 @@ class Run:
             raise Stop("deadline")
         return left
 
-    async def wait(self, factory, seconds):
-        """factory()'s result, bounded by `seconds` cut to the time left, and by the run's cancel event."""
-        return await _bounded(factory, min(seconds, self.time_left()), self.cancel, self.cancel_wait)
-
     async def seam(self, name, value=None, *args):
         """What the later parts the run meets make of value at the seam `name`, each in turn that has it (see Part)."""
         for seam in self.seams.get(name, ()):
@@ -855,15 +851,16 @@ class Run:
         self.trace.append(event)
         if spent and self.parts:
             await self.seam("spent")
-        await _watch(self, event)
+        if self.on_event is not None:
+            await _watch(self, event)
 
     async def finish(self, status, answer=None, **why):
         """The stop event and the result, each later part's before the watcher sees it (a store saves it)."""
-        named = await self.seam("named", {})
+        named = await self.seam("named", {}) if self.parts else {}
         self.trace.append({"event": "stop", "status": status, **self.used, **why, **named})
         result = _copy({"status": status, "answer": answer, "used": self.used, "history": self.history,
                         "trace": self.trace, **named})
-        result = await self.seam("end", result)
+        result = await self.seam("end", result) if self.parts else result
         await _watch(self, result["trace"][-1])
         return result
 
@@ -891,7 +888,8 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             _within_budget(run.used, run.limits, 0, MODEL_COST, "a decision")
             run.used["rounds"] += 1
             run.used["credits"] += MODEL_COST
-            await run.seam("spent")  # paid: a crash from here on keeps this round and its credits spent
+            if run.parts:  # (the article's run meets no later part, and pays nothing for their seams)
+                await run.seam("spent")  # paid: a crash from here on keeps this round and its credits spent
             decision = await _decision(run, model)  # our own copy, made the moment the model returned it
             run.time_left()
 
@@ -899,7 +897,8 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             if type(decision) is not dict:
                 raise Stop("invalid_decision", reason="a decision is a dict")
             await run.emit({"event": "decision", "round": turn, "kind": _kind(decision), **run.used})
-            await run.seam("offer")  # the tools a batch may call now
+            if run.parts:
+                await run.seam("offer")  # the tools a batch may call now
             try:
                 answer, batch, ids, signatures = _read(decision, run)
             except Stop as stop:  # the refusal policy says what becomes of it: the end of the run, or a round
@@ -928,7 +927,8 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
 
             # Act: in parallel only if every tool in the batch allows it; then continue, or stop.
             run.history.append({"round": turn, "calls": batch, "observations": []})
-            await run.seam("spent")  # admitted: a crash from here on counts every call of the batch as started
+            if run.parts:
+                await run.seam("spent")  # admitted: a crash from here on counts every call of the batch as started
             await _act(run, run.history[-1])
         raise Stop("round_limit", reason=f"all {run.limits.rounds} rounds were used")
     except Stop as stop:
@@ -943,8 +943,8 @@ async def _act(run, record):
     """Run a batch's calls not yet observed, once its gate lets them: in parallel only if every tool allows it."""
     done, parallel = record["observations"], _parallel(run.registry, record["calls"])
     calls = record["calls"][len(done):]  # (the rest of a batch that a later part goes on with)
-    gated = await run.seam("gate", None, record, calls)  # a later part's gate: observations instead, nothing starts
-    tried = await run.seam("attempts", partial(_observe, run), calls)  # each call tried once, unless a later part says
+    gated = await run.seam("gate", None, record, calls) if run.parts else None  # a part's: observations instead
+    tried = await run.seam("attempts", partial(_observe, run), calls) if run.parts else partial(_observe, run)
     if gated is not None:
         done += gated
     elif parallel and len(calls) > 1:
@@ -982,6 +982,12 @@ async def _observe(run, item):
 
 # PART 4, hard cases: what run_agent is given, checked before the model is asked; the seams where later parts join;
 # what a tool or a watcher raised
+
+async def _wait(run, factory, seconds):
+    """factory()'s result, bounded by `seconds` cut to the time left, and by the run's cancel event: a later part's
+    wait (a retry's backoff, reconcile) is the run's."""
+    return await _bounded(factory, min(seconds, run.time_left()), run.cancel, run.cancel_wait)
+
 
 def _fatal(obs):
     """True for an observation of a failure that the model cannot retry: the run stops with it."""
@@ -1047,8 +1053,8 @@ class Part:
     refusals = types.MappingProxyType({})
 
     @classmethod
-    async def join(cls, run, given):
-        """The part, as it meets this run, or None; ValueError, before the model is asked, for what it cannot take."""
+    def join(cls, run, given):
+        """The part, as it meets this run (given: run_agent's options), or None; ValueError for what it cannot take."""
         return None
 
     @classmethod
@@ -1131,18 +1137,18 @@ _SEAMS = [name for name, seam in vars(Part).items() if inspect.iscoroutinefuncti
 
 
 async def _joined(run, options):
-    """The parts that meet the run, each given its options, in the order of PARTS; then their seams, and what they
-    serve."""
+    """The parts that meet the run, in the order of PARTS; then their seams, and what they serve."""
     for kind in _parts():
         if kind.join.__func__ is Part.join.__func__:  # a part that only declares what it adds never joins
             continue
-        part = await kind.join(run, {name: options.get(name) for name in kind.options})
+        part = kind.join(run, options)
         if part is not None:
             run.parts += (part,)
             for name in _SEAMS:  # it meets the run at the seams its class has, from now on
                 if getattr(type(part), name) is not getattr(Part, name):
                     run.seams.setdefault(name, []).append(getattr(part, name))
-    run.serves = await run.seam("serves", {})
+    if run.parts:
+        run.serves = await run.seam("serves", {})
 
 
 async def _checked_run(model, limits, fixtures, cancel, registry, accept, on_refused, on_event, options):
@@ -2254,13 +2260,13 @@ class _Journal(Part):
     given: set = field(default_factory=set)  # the writes this process handed to their tool (_Writes)
 
     @classmethod
-    async def join(cls, run, given):
-        store, run_id, approve, approvals = (given[name] for name in cls.options)
+    def join(cls, run, given):
+        store, run_id, approve, approvals = (given.get(name) for name in cls.options)
         if store is None:
             for name, what in (("run_id", "run_id names a run in a store"),
                                ("approvals", "approvals are for a run in a store"),
                                ("approve", "approve needs a store, so that a write's fate survives a crash")):
-                if given[name] is not None:
+                if given.get(name) is not None:
                     raise ValueError(f"{what}: give the store too")
             return None
         if not isinstance(store, Store) or not all(callable(getattr(store, name, None)) for name in STORE_METHODS):
@@ -2284,35 +2290,6 @@ class _Journal(Part):
         journal = _Writes(store, run_id, store_id, config, approve=approve, approvals=dict(approvals or {})) if \
             approve is not None or approvals is not None or run.registry_at is not None or any(
                 not spec.read_only for spec in run.registry.values()) else cls(store, run_id, store_id, config)
-        # Load, check, claim, load and check again: a ValueError gives back a lease claim_next or the claim took.
-        try:
-            saved = await journal._load(run)  # all that can refuse the run does so here, before a claim fences anyone
-            if saved is None or saved["status"] is None:
-                # Claimed, then read again: what another process saved before the claim is this one's to go on from.
-                try:
-                    journal.generation = await _off_the_loop(store, store.claim, run_id, config, time.time(),
-                                                             waits=True)
-                except Exception as error:
-                    raise ValueError(f"{run_id}: the store failed: {_error_type(error)}") from None
-                journal.holding = True
-                saved = await journal._load(run)  # again: another process may have gone on with the run in between
-        except ValueError:  # refused: a lease taken for it goes back (a run this code cannot resume, set aside)
-            if journal.holding:
-                await journal.close(run, None)
-            elif callable(getattr(store, "give_back", None)):
-                with contextlib.suppress(Exception):
-                    await _off_the_loop(store, store.give_back, run_id, journal.unresumable)
-            raise
-        state = saved["state"] if saved else _NOTHING_SAVED
-        journal.saved, journal.saved_records, journal.events = saved, [], 0
-        journal.kept = _copy(state["used"])  # used as last saved between calls: what a retry's save keeps as used
-        journal.writes, journal.waits, journal.asked_at = _copy(state["writes"]), state["waits"], state["asked_at"]
-        # A run paused until now ends its pause here: the time paused is no time of the run's.
-        since = state["paused_at"]
-        journal.paused = state["paused"] + (0.0 if since is None else max(0.0, time.time() - since))
-        journal.paused_at = None
-        journal.elapsed = max(0.0, time.time() - saved["started"] - journal.paused) if saved and saved["started"] \
-            else 0.0
         return journal
 
     @classmethod
@@ -2345,12 +2322,41 @@ class _Journal(Part):
     # The seams, and what they save.
 
     async def resume(self, run, ended):
-        """Put the saved run back into run's state, and say so; return the stored result if it has ended."""
+        """The journal opened (load, check, claim, load again) and the saved run put back into run's state, saying
+        so; the stored result if it has ended. ValueError, before the model is asked, for a run it cannot go on with."""
+        # Load, check, claim, load and check again: a ValueError gives back a lease claim_next or the claim took.
+        try:
+            saved = await self._load(run)  # all that can refuse the run does so here, before a claim fences anyone
+            if saved is None or saved["status"] is None:
+                # Claimed, then read again: what another process saved before the claim is this one's to go on from.
+                try:
+                    self.generation = await _off_the_loop(self.store, self.store.claim, self.run_id, self.config,
+                                                          time.time(), waits=True)
+                except Exception as error:
+                    raise ValueError(f"{self.run_id}: the store failed: {_error_type(error)}") from None
+                self.holding = True
+                saved = await self._load(run)  # again: another process may have gone on with the run in between
+        except ValueError:  # refused: a lease taken for it goes back (a run this code cannot resume, set aside)
+            if self.holding:
+                await self.close(run, None)
+            elif callable(getattr(self.store, "give_back", None)):
+                with contextlib.suppress(Exception):
+                    await _off_the_loop(self.store, self.store.give_back, self.run_id, self.unresumable)
+            raise
+        state = saved["state"] if saved else _NOTHING_SAVED
+        self.saved_records, self.events = [], 0
+        self.kept = _copy(state["used"])  # used as last saved between calls: what a retry's save keeps as used
+        self.writes, self.waits, self.asked_at = _copy(state["writes"]), state["waits"], state["asked_at"]
+        # A run paused until now ends its pause here: the time paused is no time of the run's.
+        since = state["paused_at"]
+        self.paused = state["paused"] + (0.0 if since is None else max(0.0, time.time() - since))
+        self.paused_at = None
+        self.elapsed = max(0.0, time.time() - saved["started"] - self.paused) if saved and saved["started"] \
+            else 0.0
         seconds = getattr(self.store, "lease_seconds", None)
         if self.holding and callable(getattr(self.store, "renew", None)) and type(seconds) in (int, float) \
                 and seconds > 0:  # the lease, renewed every third of it while the run holds it
             self.renewal = asyncio.get_running_loop().call_later(seconds / 3, self._renew, seconds / 3)
-        saved = self.saved
         if saved is None or not saved["trace"] and saved["state"]["used"] == _NOTHING_USED:
             return ended  # new, or only claimed
         if saved["status"] is not None:  # ended: its result as stored, and nothing is asked of the model or the tools
@@ -2660,7 +2666,7 @@ class _Writes(_Journal):
                 if settling:
                     said = await bounded(lambda: reconcile(call), run.limits.tool_seconds, asyncio.Event())
                 else:
-                    said = await run.wait(lambda: reconcile(call), run.limits.tool_seconds)
+                    said = await _wait(run, lambda: reconcile(call), run.limits.tool_seconds)
             except Exception:  # it raised, hung past its time, or the run was cut: nothing is known
                 said = None
             said = _copy(said) if _is_data(said) else _discard(said)  # what is not plain data says nothing
@@ -2936,6 +2942,15 @@ class _Database:
             raise
         self._sql("COMMIT")
 
+    def _fence(self, key, generation, held):
+        """Raise Superseded, saying why, unless this store holds the run (or job) key under generation (its attempt),
+        its lease running: held is (generation, holder, lease_until, now), as read."""
+        had, holder, until, now = held
+        if had != generation or holder != self.holder:
+            raise Superseded(key, "stale")
+        if until is None or until <= now:
+            raise Superseded(key, "lease_expired")
+
     def _busy(self, error):
         """True if error says another connection held what a statement waited for, past the store's wait."""
         return isinstance(error, self.error) and self.dialect["trouble"](error) == _BUSY
@@ -3096,21 +3111,12 @@ class _Runs:
                         + self.dialect["lock"], (run_id,)).fetchone()
         return (*(row or (None, None, None)), self._now())
 
-    def _fenced(self, run_id, generation, held):
-        """Superseded, saying why this store holds the run under generation no longer (None if it still does)."""
-        had, holder, until, now = held
-        if had != generation or holder != self.holder:
-            return Superseded(run_id, "stale")
-        return None if until is not None and until > now else Superseded(run_id, "lease_expired")
-
     @_on_its_thread
     def claimed(self, run_id, generation):
         """Superseded unless this store still holds the run under generation, its lease running."""
         row = self._sql("SELECT generation, holder, lease_until, cancel FROM agent_loop_runs WHERE run_id = ?",
                         (run_id,)).fetchone()
-        fenced = self._fenced(run_id, generation, (*(row or (None, None, None))[:3], self._now()))
-        if fenced is not None:
-            raise fenced
+        self._fence(run_id, generation, (*(row or (None, None, None))[:3], self._now()))
         if row[3] is not None:
             raise Superseded(run_id, "cancelled", row[3])
 
@@ -3119,9 +3125,7 @@ class _Runs:
         """The lease extended by lease_seconds from now; Superseded if this store holds the run no longer."""
         with self._transaction():
             held = self._held(run_id)
-            fenced = self._fenced(run_id, generation, held)
-            if fenced is not None:
-                raise fenced
+            self._fence(run_id, generation, held)
             self._sql("UPDATE agent_loop_runs SET lease_until = ? WHERE run_id = ?",
                       (held[3] + self.lease_seconds, run_id))
 
@@ -3151,9 +3155,7 @@ class _Runs:
         status, answer = (None, None) if end is None else (end[0], json.dumps(end[1]))
         with self._transaction():
             held = self._held(run_id)
-            fenced = self._fenced(run_id, generation, held)
-            if fenced is not None:
-                raise fenced
+            self._fence(run_id, generation, held)
             cancel, claims = self._sql("SELECT cancel, claims FROM agent_loop_runs WHERE run_id = ?",
                                        (run_id,)).fetchone()
             # A cancel asked for: the run's end is cancelled now, but a pause is kept (a write whose outcome is
@@ -3528,9 +3530,7 @@ class _Jobs:
             raise ValueError(f"no job {job_id!r}")
         state, had, holder, until, most, done, deadline = row
         now = self._now()
-        fenced = self._fenced(job_id, attempt, (had, holder, until, now))
-        if fenced is not None:
-            raise fenced
+        self._fence(job_id, attempt, (had, holder, until, now))
         return state, most, done, deadline, now
 
     def _job_ends(self, job_id, state, attempt, error=None, **said):
@@ -3819,7 +3819,7 @@ class Attempts(Part):
     run waits for, not the threads it gave up on."""
 
     @classmethod
-    async def join(cls, run, given):
+    def join(cls, run, given):
         retried = any(spec.retries for spec in run.registry.values())
         return cls() if retried or run.limits.concurrency < run.limits.batch else None
 
@@ -3864,7 +3864,7 @@ class Attempts(Part):
                     return obs
                 whole["calls"], whole["credits"] = whole["calls"] + 1, whole["credits"] + spec.cost  # decided
                 try:
-                    await run.wait(partial(asyncio.sleep, wait), wait + 1)  # a cancel ends it, as any wait of the run
+                    await _wait(run, partial(asyncio.sleep, wait), wait + 1)  # a cancel ends it, as any wait of the run
                 except (Stop, TimeoutError):
                     return obs  # cut by the cancel or the deadline: the last failure is the observation
                 except Exception as error:  # the wait failed: something cancelled the run's wait on its cancel event
@@ -4174,8 +4174,8 @@ class _CatalogRun(Part):
     options = ("catalog", "grants")
 
     @classmethod
-    async def join(cls, run, given):
-        catalog, grants = given["catalog"], given["grants"]
+    def join(cls, run, given):
+        catalog, grants = given.get("catalog"), given.get("grants")
         if catalog is None and grants is None:
             return None
         _checked_catalog(catalog, grants)
@@ -4448,19 +4448,19 @@ class _JobRuns(Part):
     options = ("store", "run_id")
 
     @classmethod
-    async def join(cls, run, given):
+    def join(cls, run, given):
         jobs = [name for name, spec in run.registry.items() if spec.job]
         if not jobs:
             return None
         for name in jobs:
             if not _a_name(name):
                 raise ValueError(f"{name[:80]}: a job tool's name is its jobs' kind: 1 to 80 printable characters")
-        if given["store"] is None:
+        if given.get("store") is None:
             raise ValueError(f"{jobs[0]}: a job tool needs a store: run_agent(..., store=..., run_id=...)")
         if not all(callable(getattr(given["store"], name, None)) for name in ("submit", "job_for", "result")):
             raise ValueError(f"{jobs[0]}: a job tool needs a store that keeps jobs, such as a SqlStore")
         part = cls()
-        part.store, part.run_id = given["store"], given["run_id"]
+        part.store, part.run_id = given["store"], given.get("run_id")
         return part
 
     async def serves(self, run, tools):
