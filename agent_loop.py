@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import types
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -1008,8 +1009,11 @@ WHY_FIELDS = ("call_id", "name", "error_type", "reason")  # what a failed call's
 
 
 def _stop_if_fatal(record):
-    """Raise Stop for the first observation of the round, in request order, that the model cannot retry."""
-    for obs in filter(_fatal, record["observations"]):
+    """Raise Stop for the first observation of the round, in request order, that the model cannot retry: the first
+    that ends the run, before the first that pauses it (a later part's pause, Part.pauses, waits only for a round
+    nothing else of which failed; a call aborted after either follows them)."""
+    waits = (*_declared("pauses"), "batch_aborted")
+    for obs in sorted(filter(_fatal, record["observations"]), key=lambda obs: obs["error"] in waits)[:1]:
         raise Stop(obs["error"], **{key: obs[key] for key in WHY_FIELDS if key in obs})
 
 
@@ -1486,6 +1490,10 @@ def run_command(parser, run, args):
     try:
         asyncio.run(run(args, parser))
         sys.stdout.flush()  # here, not at exit, so that a reader who stopped reading is handled below
+    except UnicodeEncodeError:  # an output in an encoding that cannot hold the text (a console's, say)
+        print(f"{parser.prog}: error: cannot write the output: its encoding, {sys.stdout.encoding}, cannot hold its "
+              "text (PYTHONIOENCODING=utf-8 can)", file=sys.stderr)
+        return 1
     except OSError as error:
         # Output that cannot be written: a reader who stopped reading (`| head -1`), a full disk. Stdout may be what
         # failed: point it at devnull, so that Python's own flush at exit does not fail again. Say it in one line,
@@ -2531,7 +2539,7 @@ class _Writes(_Journal):
     write's verdict is saved before any call of its batch starts, and the write as handed to its tool, in a
     transaction of its own, before the tool has it: it gets its idempotency_key.
 
-    A batch with a write runs serially. A write whose tool raised ToolError, TemporaryError or PermissionError did
+    A batch with a write runs serially, and no call of it starts after one that has not succeeded (attempts). A write whose tool raised ToolError, TemporaryError or PermissionError did
     not apply; one that timed out, was cut by the deadline or a cancel, raised anything else, or was found handed
     and not observed after a crash, has an unknown outcome. The tools' reconcile(call) is then awaited, bounded like
     a call: {"applied": true, "data": plain data} is a success marked "reconciled"; {"applied": false} is not_applied
@@ -2606,6 +2614,21 @@ class _Writes(_Journal):
         self.asked_at = self.waits = None
         await self._save(run)  # the verdicts, kept before the first call of the batch starts
         return None
+
+    async def attempts(self, run, observe, calls):
+        """In a batch that holds a write (run one call at a time), once a call has not succeeded (any error, or an
+        outcome not yet known), the calls after it do not start: each is observed batch_aborted, retryable, naming
+        that call, and is never charged. The model decides again with what happened."""
+        record = run.history[-1]  # (the batch being run: its observations so far, the resumed ones too)
+        if all(run.registry[item["name"]].read_only for item in record["calls"]):
+            return observe
+
+        async def tried(item):
+            failed = next((obs["call_id"] for obs in record["observations"] if not obs["ok"]), None)
+            if failed is None:
+                return await observe(item)
+            return _failure(item, "batch_aborted", True, reason=f"{failed} did not succeed: nothing after it started")
+        return tried
 
     async def before_call(self, run, call, item):
         """The claim checked; a write saved as handed to its tool (its approval used) in a transaction of its own,
@@ -3618,6 +3641,10 @@ _BUSY = "busy: another connection holds its lock"  # what the store says of a da
 
 def _sqlite3_unfit(db):
     """Why the store cannot work on this sqlite3 connection, or None."""
+    try:  # first, as every other question to it fails the same way (on 3.12 and later, reading its autocommit too)
+        db.execute("SELECT 1")
+    except sqlite3.ProgrammingError:  # made in another thread, with check_same_thread
+        return "must be usable from the store's thread: sqlite3.connect(..., check_same_thread=False), or a function"
     legacy = getattr(sqlite3, "LEGACY_TRANSACTION_CONTROL", -1)  # 3.12 added autocommit=True
     autocommit = getattr(db, "autocommit", legacy)
     if autocommit is not True and (autocommit != legacy or db.isolation_level is not None):
@@ -3626,10 +3653,6 @@ def _sqlite3_unfit(db):
         return _IN_TRANSACTION
     if db.text_factory is not str:
         return "must give text as str (its text_factory)"
-    try:
-        db.execute("SELECT 1")
-    except sqlite3.ProgrammingError:  # made in another thread, with check_same_thread
-        return "must be usable from the store's thread: sqlite3.connect(..., check_same_thread=False), or a function"
     return None
 
 
@@ -4589,9 +4612,12 @@ async def see_store(path, follow=None):
     """Print a SQLite store's runs and jobs, a line each; or, following a run, each of its events as it is saved,
     until the run has ended (a pause is no end: it goes on once the run does); a run it does not hold: ValueError.
     The file is read, never written: a reader of the write-ahead log goes on beside a writer."""
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5, check_same_thread=False)
+    # The path as a file: URI, every character of its name its own (a ?, a # or a % is no part of the URI's syntax).
+    uri = "file://" + urllib.parse.quote(os.path.abspath(path)) + "?mode=ro"
+    db = None
     sql = lambda statement, parameters=(): db.execute(statement, parameters).fetchall()  # noqa: E731
     try:
+        db = sqlite3.connect(uri, uri=True, timeout=5, check_same_thread=False)
         tables = {name for name, in sql(_DIALECTS["sqlite3"]["tables"])}
         version = dict(sql("SELECT key, value FROM agent_loop_meta")).get("version") if "agent_loop_meta" in tables \
             else None
@@ -4617,7 +4643,8 @@ async def see_store(path, follow=None):
     except sqlite3.Error as error:
         raise ValueError(f"{path}: {_sqlite3_trouble(error) or 'not a store'}") from None
     finally:
-        db.close()
+        if db is not None:
+            db.close()
 
 
 def _store_options(parser):
@@ -4630,6 +4657,8 @@ async def _store_command(args, parser):
         parser.error(f"{args.path}: no such file")
     try:
         await see_store(args.path, args.follow)
+    except UnicodeEncodeError:  # (a ValueError too) the output's, not the store's: run_command says so
+        raise
     except ValueError as refused:
         parser.error(str(refused))
 

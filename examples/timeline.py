@@ -359,6 +359,8 @@ async def _drawn_scenario(args, parser):
         result = await _atlas_command(args, parser, timeline)
         try:
             _draw([(args.name, timeline, result)], args.timeline, svg)
+        except UnicodeEncodeError:  # (a ValueError too) the output cannot hold the drawing: run_command says so
+            raise
         except ValueError as error:  # a run this process did not see whole, such as one resumed from a store
             parser.error(f"cannot draw {args.name}: {error}")
 

@@ -6,12 +6,16 @@ import contextlib
 import functools
 import io
 import json
+import os
 import re
+import subprocess
+import sys
+import tempfile
 import unittest
 
 import agent_loop
 from agent_loop import run_agent
-from test_agent_loop import code_blocks, readme_section, RuntimeTestCase
+from test_agent_loop import HERE, code_blocks, readme_section, RuntimeTestCase
 from tests.support import run_script, BRIDGES, Recorder, utf8_json
 from examples.executor import executor
 from examples.orders import _catalog_accepted, _catalog_model, order_catalog
@@ -69,7 +73,21 @@ def sent_after_the_load():
 
 
 class CatalogNumbersTests(unittest.TestCase):
-    """PART 20: the chapter's 300 entries, what is found, loaded and sent, and the five boundaries, one command."""
+    """The chapter's 300 entries, what is found, loaded and sent, and the five boundaries, one command."""
+
+    def test_an_output_that_cannot_encode_the_text_is_one_line_on_standard_error_not_a_traceback(self):
+        flags = ["-O"] if sys.flags.optimize else []
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "runs.db")
+            with agent_loop.SqliteStore(path) as store:
+                store.add("订单-1")  # a run id the store's listing prints
+            for command in ([os.path.join(HERE, "examples", "catalog.py")],
+                            [os.path.join(HERE, "agent_loop.py"), "store", path]):
+                with self.subTest(command=command[0]):
+                    done = subprocess.run([sys.executable, *flags, *command], capture_output=True, text=True,
+                                          timeout=120, check=False, env={**os.environ, "PYTHONIOENCODING": "ascii"})
+                    self.assertEqual((done.returncode, len(done.stderr.splitlines())), (1, 1))
+                    self.assertIn("cannot write the output", done.stderr)
 
     def test_the_command_prints_the_chapters_numbers_and_the_readme_shows_them(self):
         done = run_script("catalog")

@@ -282,6 +282,16 @@ class JobRunTests(LeaseCase):
         self.assertEqual((cancelled["status"], failing["status"]), ("cancelled", "tool_exception"))
         self.assertEqual(self.jobs_of(store), [(1, "ja", "cancelled"), (2, "jp", "cancelled")])
 
+    async def test_a_call_that_fails_ends_the_run_whatever_the_order_of_a_job_beside_it_and_its_job_is_cancelled(self):
+        store = self.store()
+        for run_id, batch in (("job first", [call("a", "jp", x=1), call("b", "rd", x=0)]),
+                              ("read first", [call("a", "rd", x=0), call("b", "jp", x=2)])):
+            with self.subTest(run_id=run_id):
+                result = await run_agent(scripted(calls(*batch)), **JOB_RUN_OPTIONS, store=store, run_id=run_id)
+                self.assertEqual((result["status"], "pending" in result, result["trace"][-1]["name"]),
+                                 ("tool_exception", False, "rd"))
+        self.assertEqual(self.jobs_of(store), [(1, "jp", "cancelled"), (2, "jp", "cancelled")])
+
     async def test_a_job_past_its_deadline_while_the_run_waits_lets_the_run_go_on(self):
         now = [time.time()]
         store = self.store(clock=lambda: now[0])

@@ -34,6 +34,20 @@ class SqliteLeaseTests(LeaseCase):
         claimed = []
         await wait_until(lambda: claimed.append(busy.claim_next()) or claimed[-1] in ("job", "queued"), 30)
 
+    def test_a_connection_made_for_this_thread_is_refused_for_that_reason_and_taken_made_for_any(self):
+        ways = [dict(isolation_level=None)] + ([dict(autocommit=True)] if sys.version_info >= (3, 12) else [])
+        for way in ways:
+            with self.subTest(way=way):
+                with contextlib.closing(sqlite3.connect(self.where, **way)) as mine:
+                    with self.assertRaises(ValueError) as refused:
+                        agent_loop.SqlStore(mine)
+                self.assertEqual(str(refused.exception), "the connection must be usable from the store's thread: "
+                                 "sqlite3.connect(..., check_same_thread=False), or a function")
+                with contextlib.closing(sqlite3.connect(self.where, check_same_thread=False, **way)) as any_thread:
+                    with agent_loop.SqlStore(any_thread) as store:
+                        store.add("r")
+                        self.assertEqual(store.unfinished(), ["r"])
+
     def test_a_store_that_cannot_be_written_says_busy_or_read_only_and_a_file_not_a_store_or_of_another_version(self):
         self.store().close()  # a store, made
         holder = sqlite3.connect(self.where, isolation_level=None)

@@ -7,15 +7,16 @@ import os
 import subprocess
 import sys
 
+import agent_loop
 from agent_loop import call, Limits, run_agent, scripted, ToolSpec
 from test_agent_loop import any_answer, calls, final, HERE, ROOMY, run_command, run_commands
 from tests.support import JOB_X, LeaseCase
 
 
-# PART 22: see a store
+# PART 16: see a store
 
 class SeeStoreTests(LeaseCase):
-    """PART 22: python3 agent_loop.py store PATH: a SQLite store's runs and jobs, a line each; a run followed."""
+    """PART 16: python3 agent_loop.py store PATH: a SQLite store's runs and jobs, a line each; a run followed."""
 
     def test_the_store_is_read_never_written_and_a_writer_holding_it_does_not_stop_the_reader(self):
         empty = os.path.join(self.folder, "empty.db")
@@ -33,6 +34,19 @@ class SeeStoreTests(LeaseCase):
             writer.execute("ROLLBACK")
             writer.close()
         self.assertEqual((listed.returncode, listed.stdout.split()[:3]), (0, ["run", "r", "queued"]))
+
+    def test_the_path_is_a_files_name_whatever_its_characters_never_part_of_a_uri(self):
+        names = ["q?x.db", "h#x.db", "p%41x.db", "a b.db"]
+        for name in names:
+            with agent_loop.SqliteStore(os.path.join(self.folder, name)) as store:
+                store.add("r")
+        made = sorted(name for name in os.listdir(self.folder) if not name.endswith(("-shm", "-wal")))
+        paths = [os.path.join(self.folder, name) for name in names]
+        paths.append("/" + os.path.abspath(paths[0]))  # a path that starts with //: the same file
+        for path, done in zip(paths, run_commands(*[("store", path) for path in paths])):
+            with self.subTest(path=path):
+                self.assertEqual((done.returncode, done.stderr, done.stdout.split()[:3]), (0, "", ["run", "r", "queued"]))
+        self.assertEqual(sorted(name for name in os.listdir(self.folder) if not name.endswith(("-shm", "-wal"))), made)
 
     async def test_a_follower_goes_on_past_a_pause_until_the_run_has_ended(self):
         class Hangs:

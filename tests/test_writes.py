@@ -391,6 +391,48 @@ class WriteTests(StoreTestCase):
         self.assertEqual((done["status"], desk.started, order_errors(done)), ("completed", ["w", "r"], []))
         self.assertEqual((done["used"]["calls"], len(desk.effects)), (2, 1))  # each call charged once
 
+    async def test_in_a_batch_with_a_write_nothing_starts_after_a_call_that_did_not_succeed(self):
+        """The notice is sent, then the cancel fails: the calls after it wait for the model, uncharged."""
+        write = functools.partial(call, name="place_order", items=PLAN["items"])
+        accept = lambda answer, history: answer == "done"  # noqa: E731
+        for failures, batch, failed in (
+                ({"place_order": ["temporary"]}, [write("w"), call("r", partition="north"), write("w2")], "w"),
+                ({"place_order": ["timeout"]}, [write("w"), call("r", partition="north")], "w"),  # not_applied
+                ({"north": ["temporary"]}, [call("r", partition="north"), write("w")], "r")):
+            with self.subTest(failed=failed, batch=[item["call_id"] for item in batch]):
+                desk = OrderDesk(delays={}, failures=failures)
+                result = await self.order(self.store(), desk, model=scripted(calls(*batch), final("done")),
+                                          approve=lambda write: "approve", accept=accept,
+                                          limits=dataclasses.replace(ROOMY, tool_seconds=0.2))
+                first, *rest = result["history"][0]["observations"]
+                self.assertEqual((result["status"], first["ok"], first["retryable"]), ("completed", False, True))
+                self.assertEqual([(obs["error"], obs["retryable"], obs["reason"]) for obs in rest],
+                                 [("batch_aborted", True, f"{failed} did not succeed: nothing after it started")]
+                                 * len(rest))
+                self.assertEqual((desk.started, result["used"]["calls"]), ([failed], 1))
+        desk, reads = OrderDesk(delays={}, failures={"north": ["temporary"]}), scripted(
+            calls(call("r", partition="north"), call("s", partition="south")), final("done"))
+        at_once = await self.order(self.store(), desk, model=reads, accept=accept)
+        self.assertEqual((order_errors(at_once), desk.started), (["temporary"], ["r", "s"]))  # reads alone: as ever
+
+    async def test_a_write_settled_as_not_applied_on_resume_keeps_the_rest_of_its_batch_from_starting(self):
+        class Unsure(OrderDesk):  # it cannot tell the first time; then it says the order was never placed
+            answers = [{"applied": "perhaps"}]
+
+            async def reconcile(self, call):
+                return self.answers.pop(0) if self.answers else await super().reconcile(call)
+
+        batch = calls(call("w", "place_order", items=PLAN["items"]), call("r", partition="north"))
+        options = dict(model=scripted(batch, final("done")), accept=lambda answer, history: answer == "done",
+                       limits=dataclasses.replace(ROOMY, tool_seconds=0.2))
+        store, desk = self.store(), Unsure(delays={}, failures={"place_order": ["timeout"]})
+        paused = await self.order(store, desk, approve=lambda write: "approve", **options)
+        done = await self.order(store, desk, **options)
+        self.assertEqual((paused["status"], done["status"], desk.started), ("unknown_outcome", "completed", ["w"]))
+        self.assertEqual([(obs["error"], obs["retryable"]) for obs in done["history"][0]["observations"]],
+                         [("not_applied", True), ("batch_aborted", True)])
+        self.assertEqual((done["used"]["calls"], desk.effects), (1, []))
+
     async def test_a_crash_just_after_a_paused_run_resumed_keeps_it_paused(self):
         store = self.store()
         await self.order(store, approve=lambda write: "ask")
