@@ -2854,15 +2854,15 @@ def _a_wait(seconds):
 
 class JobError(Exception):
     """A job the store refuses: its code is "key_conflict" (the owner's key names another request), "queue_full",
-    or "busy" (another connection held what a submit, status, cancel or cancel_run waits for past the store's wait:
-    try again)."""
+    or "busy" (another connection held what a submit, status, events, cancel or cancel_run waits for past the store's
+    wait: try again)."""
 
     def __init__(self, code):
         super().__init__(code)
         self.code = code
 
 
-_RUN_JOBS = "SELECT id FROM agent_loop_jobs WHERE run_id = ? AND state IN ('queued', 'running') ORDER BY id"
+_RUN_JOBS = f"SELECT id FROM agent_loop_jobs WHERE run_id = ? AND state IN {_UNFINISHED!r} ORDER BY id"
 _LOCK_WAIT = 0.5  # seconds a PostgreSQL statement waits for a row another transaction holds, before it looks why
 _STALLED = 1.0  # seconds a transaction holding a run whose lease ran out may last before the store ends its session
 
@@ -3287,8 +3287,8 @@ class _Jobs:
     @_on_its_thread
     def submit(self, owner, action_key, kind, params, deadline_seconds=None, max_attempts=2, run_id=None):
         """The job's receipt ({"id", "state", "attempt", "done", "total", "error"}), once it is saved. The owner's
-        key again, with the same kind and params, is the same job: its receipt as it stands (a job queued past its
-        deadline failed); with others, JobError "key_conflict", and nothing changes. A new job beyond max_jobs
+        key again, with the same kind and params, is the same job: its receipt as it stands (a job past its deadline
+        failed); with others, JobError "key_conflict", and nothing changes. A new job beyond max_jobs
         unfinished ones: JobError "queue_full". Its deadline is deadline_seconds from now; its attempts,
         max_attempts: the first submit's. run_id: the named run that submits it (PART 15), which waits for it."""
         for what, text in (("owner", owner), ("action_key", action_key), ("kind", kind)):
@@ -3319,7 +3319,7 @@ class _Jobs:
             if row is not None:
                 if row[1] != request:
                     raise JobError("key_conflict")
-                self._expire(row[0], now)
+                self._job(row[0])
                 return self._receipt(row[0])
             (unfinished,) = self._sql(f"SELECT COUNT(*) FROM agent_loop_jobs WHERE state IN {_UNFINISHED!r}").fetchone()
             if self.max_jobs is not None and unfinished >= self.max_jobs:
@@ -3344,8 +3344,8 @@ class _Jobs:
 
     @_on_its_thread
     def status(self, owner, job_id):
-        """The owner's job's receipt as it stands (one queued past its deadline has failed: deadline_exceeded); None
-        for a job that is not the owner's, or not there."""
+        """The owner's job's receipt as it stands (one past its deadline has failed: deadline_exceeded); None for a
+        job that is not the owner's, or not there."""
         if not self._owns(owner, job_id):
             return None
         self._unless_busy(self._expired, job_id)
@@ -3353,16 +3353,18 @@ class _Jobs:
 
     def _expired(self, job_id):
         with self._transaction():
-            self._expire(job_id, self._now())
+            self._job(job_id)
 
     @_on_its_thread
     def events(self, owner, job_id, after=0):
-        """The owner's job's events after the cursor `after`, oldest first, each {"seq", "event", "attempt", ...};
-        None for a job that is not the owner's, or not there."""
+        """The owner's job's events after the cursor `after`, oldest first, each {"seq", "event", "attempt", ...}, the
+        last an ended job's end (one past its deadline has failed: deadline_exceeded); None for a job that is not the
+        owner's, or not there."""
         if type(after) is not int:
             raise ValueError("after must be an int")
         if not self._owns(owner, job_id):
             return None
+        self._unless_busy(self._expired, job_id)
         after = min(max(after, -1), _MOST)  # a cursor past every event, or before the first
         return [{"seq": seq, **json.loads(body)} for seq, body in self._sql(
             "SELECT seq, body FROM agent_loop_job_events WHERE job_id = ? AND seq > ? ORDER BY seq", (job_id, after))]
@@ -3370,7 +3372,8 @@ class _Jobs:
     @_on_its_thread
     def cancel(self, owner, job_id):
         """Ask to cancel the owner's job: a queued one is cancelled at once, a running one becomes cancel_requested
-        (its worker confirms it), a final one stays as it is. Its receipt after; None if it is not the owner's."""
+        (its worker confirms it), a final one stays as it is, and one past its deadline has failed. Its receipt after;
+        None if it is not the owner's."""
         return self._unless_busy(self._cancelled, owner, job_id)
 
     def _cancelled(self, owner, job_id):
@@ -3404,21 +3407,19 @@ class _Jobs:
             while True:
                 with self._transaction():  # one job at a time: ending a long backlog holds no row long
                     now = self._now()
-                    row = self._sql("SELECT id, state, attempt, max_attempts, deadline, kind, params FROM "
-                                    "agent_loop_jobs WHERE ((state = 'queued' AND (not_before IS NULL OR not_before <= "
-                                    "?)) OR (state IN ('running', 'cancel_requested') AND lease_until <= ?))" + which +
-                                    " ORDER BY id LIMIT 1" + self.dialect["skip_locked"],
-                                    (now, now, *(kinds or ()))).fetchone()
+                    row = self._sql("SELECT id, kind, params FROM agent_loop_jobs WHERE ((state = 'queued' AND "
+                                    "(not_before IS NULL OR not_before <= ?)) OR (state IN ('running', "
+                                    "'cancel_requested') AND lease_until <= ?))" + which + " ORDER BY id LIMIT 1" +
+                                    self.dialect["skip_locked"], (now, now, *(kinds or ()))).fetchone()
                     if row is None:
                         return None
-                    job_id, state, attempt, most, deadline, kind, params = row
+                    job_id, kind, params = row
+                    state, attempt, _, _, most, _, _, now = self._job(job_id)  # (one past its deadline has failed)
                     if state == "cancel_requested":
                         self._job_ends(job_id, "cancelled", attempt)
-                    elif self._overdue(job_id, attempt, deadline, now):
-                        pass
                     elif state == "running" and attempt >= most:
                         self._job_ends(job_id, "failed", attempt, "lease_expired")
-                    else:
+                    elif state != "failed":
                         self._sql("UPDATE agent_loop_jobs SET state = 'running', attempt = ?, holder = ?, lease_until "
                                   "= ?, not_before = NULL, done = 0, total = 0 WHERE id = ?",
                                   (attempt + 1, self.holder, now + self.lease_seconds, job_id))
@@ -3432,7 +3433,9 @@ class _Jobs:
     @_on_its_thread
     def progress(self, job_id, attempt, done, total):
         """Save the attempt's progress (done of total, never backwards), renew its lease, and return the job's
-        state: cancel_requested tells its worker to stop. Superseded if this attempt holds the job no longer."""
+        state: anything but running tells its worker to stop (cancel_requested, to confirm the cancel; failed or
+        cancelled, the job has ended in this attempt: past its deadline, say). Superseded if this attempt holds the
+        job no longer."""
         _check_attempt(attempt)
         if type(done) is not int or type(total) is not int or not 0 <= done <= total <= _MOST:
             raise ValueError("done and total must be ints, 0 <= done <= total")
@@ -3453,14 +3456,16 @@ class _Jobs:
         _check_attempt(attempt)
         with self._transaction():
             state, _, _, _, now = self._held_job(job_id, attempt)
-            self._sql("UPDATE agent_loop_jobs SET lease_until = ? WHERE id = ?", (now + self.lease_seconds, job_id))
+            if state in _UNFINISHED:
+                self._sql("UPDATE agent_loop_jobs SET lease_until = ? WHERE id = ?", (now + self.lease_seconds, job_id))
             return state
 
     @_on_its_thread
     def finish(self, job_id, attempt, result):
         """Store the attempt's result, in one transaction with its state and event: True. False, and no result, for
-        a job that had ended already (checked first, whoever asks), one whose cancel was asked for (it is cancelled
-        now) or past its deadline (failed, deadline_exceeded). Superseded if this attempt holds the job no longer."""
+        a job that had ended already or is past its deadline (failed, deadline_exceeded: both checked first, whoever
+        asks), or one whose cancel was asked for (it is cancelled now). Superseded if this attempt holds the job no
+        longer."""
         _check_attempt(attempt)
         if not _is_data(result):
             raise ValueError("result must be plain JSON data")
@@ -3468,11 +3473,9 @@ class _Jobs:
             row = self._job(job_id)
             if row is not None and row[0] not in _UNFINISHED:
                 return False
-            state, _, _, deadline, now = self._held_job(job_id, attempt)
+            state = self._held_job(job_id, attempt)[0]
             if state == "cancel_requested":
                 self._job_ends(job_id, "cancelled", attempt)
-            elif self._overdue(job_id, attempt, deadline, now):
-                pass
             else:
                 print_ = fingerprint(result)
                 self._sql("UPDATE agent_loop_jobs SET result = ?, fingerprint = ? WHERE id = ?",
@@ -3485,7 +3488,8 @@ class _Jobs:
     def fail(self, job_id, attempt, error, retry_after=None):
         """The attempt failed: with retry_after seconds, an attempt left and the next try before the deadline, the
         job is queued again, claimable from then on; else it fails with error, a short code. Its state after (a
-        job whose cancel was asked for is cancelled). Superseded if this attempt holds the job no longer."""
+        job whose cancel was asked for is cancelled; one that had ended, or is past its deadline, stays as it is:
+        checked first, whoever asks). Superseded if this attempt holds the job no longer."""
         _check_attempt(attempt)
         if not _a_name(error):
             raise ValueError("error must be a short code, a string of 1 to 80 printable characters")
@@ -3508,22 +3512,10 @@ class _Jobs:
             self._job_ends(job_id, "failed", attempt, error)
             return "failed"
 
-    def _expire(self, job_id, now):
-        """Fail the job if it waits in the queue past its deadline: no worker will ever start it."""
-        row = self._job(job_id)
-        if row is not None and row[0] == "queued":
-            self._overdue(job_id, row[1], row[6], now)
-
-    def _overdue(self, job_id, attempt, deadline, now):
-        """True, the job failed (deadline_exceeded), if its deadline has passed: what came after counts for nothing."""
-        if deadline is not None and deadline <= now:
-            self._job_ends(job_id, "failed", attempt, "deadline_exceeded")
-            return True
-        return False
-
     def _cancel_job(self, job_id):
         """Ask the job to cancel, its row read again locked, as its worker's calls read it (a finish committed meanwhile
-        is final): a queued one is cancelled at once, a running one becomes cancel_requested, an ended one stays."""
+        is final): a queued one is cancelled at once, a running one becomes cancel_requested, an ended one stays (one
+        past its deadline has failed)."""
         state, attempt = self._job(job_id)[:2]
         if state in ("queued", "running"):
             self._job_ends(job_id, "cancelled" if state == "queued" else "cancel_requested", attempt)
@@ -3539,21 +3531,31 @@ class _Jobs:
                 "error": error if state == "failed" else None}
 
     def _job(self, job_id):
-        """(state, attempt, holder, lease_until, max_attempts, done, deadline) of the job, its row locked; or None."""
+        """(state, attempt, holder, lease_until, max_attempts, done, deadline, now) of the job, its row locked and the
+        clock read once it is held; or None. Every call that touches a job reads it here: one past its deadline has
+        ended, whatever its state, failed (deadline_exceeded) from the first call on, whichever it is."""
         if type(job_id) is not int or not 0 < job_id <= _MOST:
             return None
-        return self._sql("SELECT state, attempt, holder, lease_until, max_attempts, done, deadline FROM "
-                         "agent_loop_jobs WHERE id = ?" + self.dialect["lock"], (job_id,)).fetchone()
+        row = self._sql("SELECT state, attempt, holder, lease_until, max_attempts, done, deadline FROM agent_loop_jobs "
+                        "WHERE id = ?" + self.dialect["lock"], (job_id,)).fetchone()
+        if row is None:
+            return None
+        now = self._now()
+        if row[0] in _UNFINISHED and row[6] is not None and row[6] <= now:
+            self._job_ends(job_id, "failed", row[1], "deadline_exceeded")
+            row = ("failed", row[1], None, None, *row[4:])
+        return (*row, now)
 
     def _held_job(self, job_id, attempt):
         """(state, max_attempts, done, deadline, now) of a job this attempt holds, its row locked and the clock read
-        once the lock is held; Superseded ("stale" or "lease_expired") if it holds it no longer."""
+        once the lock is held, or of one that ended in this attempt (its work no longer wanted: its worker is told so,
+        not fenced); Superseded ("stale" or "lease_expired") if it holds it no longer."""
         row = self._job(job_id)
         if row is None:
             raise ValueError(f"no job {job_id!r}")
-        state, had, holder, until, most, done, deadline = row
-        now = self._now()
-        self._fence(job_id, attempt, (had, holder, until, now))
+        state, had, holder, until, most, done, deadline, now = row
+        if state in _UNFINISHED or had != attempt:
+            self._fence(job_id, attempt, (had, holder, until, now))
         return state, most, done, deadline, now
 
     def _job_ends(self, job_id, state, attempt, error=None, **said):

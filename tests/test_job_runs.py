@@ -306,6 +306,29 @@ class JobRunTests(LeaseCase):
         self.assertEqual((result["status"], obs["error"], obs["reason"]), ("completed", "job_failed",
                                                                            "deadline_exceeded"))
 
+    async def test_a_runs_end_and_cancel_run_meet_a_job_past_its_deadline_as_failed_not_cancelled(self):
+        now = [time.time()]
+        store, watcher = self.store(clock=lambda: now[0]), self.store()
+        limits = dataclasses.replace(JOB_RUN_OPTIONS["limits"], job_seconds=10)
+
+        class Late(JobRunTools):
+            async def invoke(self, call):
+                if call["name"] == "rd":  # it fails once the batch's job was submitted and its deadline passed
+                    await wait_until(lambda: watcher.overview()["jobs"], 60)
+                    now[0] += 20  # (within the run's lease of 30 s)
+                return await super().invoke(call)
+
+        failing = await run_agent(scripted(calls(call("b", "rd", x=0), call("c", "jp", x=1))), store=store,
+                                  **{**JOB_RUN_OPTIONS, "fixtures": Late(), "limits": limits}, run_id="fails")
+        paused = await run_agent(scripted(calls(call("a", "ja", x=1))), **{**JOB_RUN_OPTIONS, "limits": limits},
+                                 store=store, run_id="paused")
+        now[0] += 20  # past its job's deadline
+        self.assertEqual((failing["status"], paused["status"], store.cancel_run("paused")),
+                         ("tool_exception", "awaiting_job", "cancelled"))
+        self.assertEqual(self.jobs_of(store), [(1, "jp", "failed"), (2, "ja", "failed")])
+        self.assertEqual([store.status(run_id, n)["error"] for run_id, n in (("fails", 1), ("paused", 2))],
+                         ["deadline_exceeded"] * 2)
+
     async def test_a_job_the_store_refuses_is_a_failed_observation_never_an_exception(self):
         store = self.store(max_jobs=1)
         store.submit("someone", "k", "export", {})  # the queue is full

@@ -147,6 +147,33 @@ class JobTests(LeaseCase):
         self.assertEqual([store.status("ana", n)["state"] for n in (1, 2, 3)], ["failed", "failed", "cancelled"])
         self.assertEqual([store.status("ana", n)["error"] for n in (1, 2)], ["deadline_exceeded", "lease_expired"])
 
+    def test_a_job_past_its_deadline_has_failed_whatever_its_state_whichever_call_comes_first(self):
+        store, now = self.clocked()
+        owners = {"status": (lambda job: store.status("ana", job["id"])["state"], "failed"),
+                  "events": (lambda job: store.events("ana", job["id"])[-1]["event"], "failed"),
+                  "cancel": (lambda job: store.cancel("ana", job["id"])["state"], "failed"),
+                  "claim_job": (lambda job: store.claim_job(), None)}
+        workers = {"progress": (lambda job: store.progress(job["id"], job["attempt"], 1, 1), "failed"),
+                   "renew_job": (lambda job: store.renew_job(job["id"], job["attempt"]), "failed"),
+                   "finish": (lambda job: store.finish(job["id"], job["attempt"], {"late": True}), False),
+                   "fail": (lambda job: store.fail(job["id"], job["attempt"], "busy", retry_after=0), "failed")}
+        lived = {"queued": ["submitted"], "running": ["submitted", "claimed"],
+                 "cancel_requested": ["submitted", "claimed", "cancel_requested"]}
+        for state in lived:
+            for first, (touch, said) in {**owners, **(workers if state != "queued" else {})}.items():
+                with self.subTest(state=state, first=first):
+                    now[0] += 10
+                    job = store.submit("ana", f"{state}-{first}", "export", {}, deadline_seconds=3)
+                    now[0] += 1
+                    job = store.claim_job() if state != "queued" else job
+                    if state == "cancel_requested":
+                        store.cancel("ana", job["id"])
+                    now[0] += 2  # its deadline (its lease ran out too): the first call to touch it says it failed
+                    self.assertEqual(touch(job), said)
+                    store.cancel("ana", job["id"])  # too late: it has ended
+                    self.assertEqual((self.events(store, job["id"]), store.status("ana", job["id"])["error"]),
+                                     (lived[state] + ["failed"], "deadline_exceeded"))
+
     def test_progress_goes_forward_within_its_total_renews_the_lease_and_says_the_state(self):
         store, now = self.clocked()
         store.submit("ana", "k", "export", {})
@@ -163,7 +190,23 @@ class JobTests(LeaseCase):
         self.assertEqual(store.progress(1, job["attempt"], 3, 3), "running")
         self.assertEqual(self.events(store, 1), ["submitted", "claimed", "progress", "progress"])
 
-    def test_a_finish_checks_first_that_the_job_has_not_ended_then_the_cancel_then_the_deadline(self):
+    def test_progress_and_a_renewal_tell_a_worker_whose_lease_runs_that_its_job_has_failed_past_its_deadline(self):
+        store, now = self.clocked()
+        for key in ("a", "b", "c"):
+            store.submit("ana", key, "export", {}, deadline_seconds=3)
+        now[0] = 1
+        jobs = [store.claim_job() for _ in range(3)]
+        now[0] = 2
+        for job in jobs:
+            store.renew_job(job["id"], job["attempt"])  # each lease runs until 4
+        now[0] = 3
+        self.assertEqual(store.status("ana", 3)["state"], "failed")  # its owner asked first (a run asked again)
+        said = [store.progress(1, jobs[0]["attempt"], 1, 2), store.renew_job(2, jobs[1]["attempt"]),
+                store.progress(3, jobs[2]["attempt"], 1, 2), store.renew_job(1, jobs[0]["attempt"])]
+        self.assertEqual(said, ["failed"] * 4)  # its work is no longer wanted: never a lease renewed, nor a fence
+        self.assertEqual([self.events(store, n) for n in (1, 2, 3)], [["submitted", "claimed", "failed"]] * 3)
+
+    def test_a_finish_checks_first_that_the_job_has_not_ended_nor_passed_its_deadline_then_the_cancel(self):
         store, now = self.clocked()
         store.submit("ana", "a", "export", {}, deadline_seconds=3)
         store.submit("ana", "b", "export", {})
