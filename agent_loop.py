@@ -2863,6 +2863,9 @@ class JobError(Exception):
 
 
 _RUN_JOBS = f"SELECT id FROM agent_loop_jobs WHERE run_id = ? AND state IN {_UNFINISHED!r} ORDER BY id"
+# A job past its deadline has ended (failed, deadline_exceeded, as the first call that touches it says: _Jobs._job):
+# what counts the jobs still to end, the queue's size or a run's jobs, leaves it out before any call has said so.
+_LIVE = f"state IN {_UNFINISHED!r} AND (deadline IS NULL OR deadline > ?)"
 _LOCK_WAIT = 0.5  # seconds a PostgreSQL statement waits for a row another transaction holds, before it looks why
 _STALLED = 1.0  # seconds a transaction holding a run whose lease ran out may last before the store ends its session
 
@@ -3288,9 +3291,10 @@ class _Jobs:
     def submit(self, owner, action_key, kind, params, deadline_seconds=None, max_attempts=2, run_id=None):
         """The job's receipt ({"id", "state", "attempt", "done", "total", "error"}), once it is saved. The owner's
         key again, with the same kind and params, is the same job: its receipt as it stands (a job past its deadline
-        failed); with others, JobError "key_conflict", and nothing changes. A new job beyond max_jobs
-        unfinished ones: JobError "queue_full". Its deadline is deadline_seconds from now; its attempts,
-        max_attempts: the first submit's. run_id: the named run that submits it (PART 15), which waits for it."""
+        failed); with others, JobError "key_conflict", and nothing changes. A new job beyond max_jobs unfinished ones
+        (one past its deadline has ended): JobError "queue_full". Its deadline is deadline_seconds from now; its
+        attempts, max_attempts: the first submit's. run_id: the named run that submits it (PART 15), which waits for
+        it."""
         for what, text in (("owner", owner), ("action_key", action_key), ("kind", kind)):
             _checked_name(what, text)
         if not _is_data(params):
@@ -3321,7 +3325,7 @@ class _Jobs:
                     raise JobError("key_conflict")
                 self._job(row[0])
                 return self._receipt(row[0])
-            (unfinished,) = self._sql(f"SELECT COUNT(*) FROM agent_loop_jobs WHERE state IN {_UNFINISHED!r}").fetchone()
+            (unfinished,) = self._sql(f"SELECT COUNT(*) FROM agent_loop_jobs WHERE {_LIVE}", (now,)).fetchone()
             if self.max_jobs is not None and unfinished >= self.max_jobs:
                 raise JobError("queue_full")
             (last,) = self._sql("SELECT MAX(id) FROM agent_loop_jobs").fetchone()

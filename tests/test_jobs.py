@@ -69,6 +69,22 @@ class JobTests(LeaseCase):
         store.cancel("ana", 1)  # a final job leaves the queue
         self.assertEqual(store.submit("ana", "c", "export", {})["id"], 3)
 
+    def test_a_job_past_its_deadline_leaves_the_queue_whatever_its_state_before_any_call_says_so(self):
+        store, now = self.clocked(max_jobs=1)
+        for state in ("queued", "running", "cancel_requested"):
+            with self.subTest(state=state):
+                now[0] += 10
+                first = store.submit("ana", f"{state}-1", "export", {}, deadline_seconds=3)["id"]
+                now[0] += 1
+                if state != "queued":
+                    self.assertEqual(store.claim_job()["id"], first)
+                if state == "cancel_requested":
+                    store.cancel("ana", first)
+                now[0] += 2  # past its deadline: it has ended, though no call has said so yet
+                second = store.submit("ana", f"{state}-2", "export", {}, deadline_seconds=3)
+                self.assertEqual((second["id"], second["state"], store.status("ana", first)["error"]),
+                                 (first + 1, "queued", "deadline_exceeded"))
+
     def test_another_owners_job_and_an_absent_one_answer_alike(self):
         store, now = self.clocked()
         store.submit("ana", "k", "export", {})
