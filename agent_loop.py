@@ -3074,12 +3074,11 @@ class _Runs:
             self._unstall()
             while True:
                 with self._transaction():  # one run at a time: setting many aside holds no row long
-                    now = self._now()  # (a job queued past its deadline has ended: it will never start)
+                    now = self._now()  # (a job past its deadline has ended, whatever its state: _LIVE)
                     row = self._sql(f"SELECT run_id, claims FROM agent_loop_runs r WHERE status IS NULL AND (waits "
                                     f"IS NULL OR waits = 'awaiting_job' AND NOT EXISTS (SELECT 1 FROM agent_loop_jobs "
-                                    f"WHERE run_id = r.run_id AND state IN {_UNFINISHED!r} AND NOT (state = 'queued' "
-                                    f"AND deadline IS NOT NULL AND deadline <= ?))) AND (lease_until IS NULL OR "
-                                    f"lease_until <= ?) ORDER BY added, run_id LIMIT 1" + self.dialect["skip_locked"],
+                                    f"WHERE run_id = r.run_id AND {_LIVE})) AND (lease_until IS NULL OR lease_until <= "
+                                    f"?) ORDER BY added, run_id LIMIT 1" + self.dialect["skip_locked"],
                                     (now, now)).fetchone()
                     if row is None:
                         return None
@@ -4335,7 +4334,8 @@ class RetryLater(Exception):
 
 
 class _Cancelled(Exception):
-    """What a job's progress raises once its cancel was asked for: the function stops there."""
+    """What a job's progress raises once its work is no longer wanted (its cancel was asked for, or it has ended:
+    past its deadline, say): the function stops there."""
 
 
 async def work_jobs(store, functions):
@@ -4344,11 +4344,13 @@ async def work_jobs(store, functions):
     Each runs as functions[kind](**params, progress=progress): a plain function in a thread of its own, its
     progress(done, total) a plain function too; an async one awaited, its progress async. Its lease is kept while it
     runs (renewed every third of it). progress saves how far it got; once a cancel was asked for, it raises, the
-    function stops there, and the cancel is confirmed. What the function returns (plain data) is the job's result;
-    RetryLater(seconds) asks for another attempt then; anything else fails it with the class's name ("error" for a
-    name that is not a short code), never its message; a Superseded it raises too. A worker fenced (its lease ran
-    out, another claimed the job) leaves the job to the other: a thread it gave up on runs on, and whatever it
-    returns is refused."""
+    function stops there, and the cancel is confirmed. Once the job has ended (past its deadline, say: its owner may
+    have read it failed already), its next progress raises and its next renewal stops it (an async function is
+    cancelled; a thread runs on, its result refused), and nothing of it is saved. What the function returns (plain
+    data) is the job's result; RetryLater(seconds) asks for another attempt then; anything else fails it with the
+    class's name ("error" for a name that is not a short code), never its message; a Superseded it raises too. A
+    worker fenced (its lease ran out, another claimed the job) leaves the job to the other: a thread it gave up on
+    runs on, and whatever it returns is refused."""
     if not isinstance(store, SqlStore):
         raise ValueError("store must be a SqlStore")
     if type(functions) is not dict or not functions or not all(
@@ -4368,10 +4370,11 @@ async def _work(store, function, job):
     job_id, attempt, params = job["id"], job["attempt"], job["params"]
     patiently = partial(_off_the_loop, store, _patiently, store, waits=True)  # a store's call from the loop, waited out
 
-    async def kept():  # the lease, renewed every third of it while the function runs; Superseded once it is lost
-        while True:
+    async def kept():  # the lease, renewed every third of it while the function runs: Superseded once it is lost,
+        while True:  # _Cancelled once the job has ended (past its deadline, say): its work is no longer wanted
             await asyncio.sleep(store.lease_seconds / 3)
-            await patiently(store.renew_job, job_id, attempt)
+            if await patiently(store.renew_job, job_id, attempt) not in _UNFINISHED:
+                raise _Cancelled
 
     if type(params) is not dict:
         await patiently(store.fail, job_id, attempt, "params_not_an_object")
@@ -4388,7 +4391,7 @@ async def _work(store, function, job):
                 state = await patiently(store.progress, job_id, attempt, done, total)
             except Superseded as error:
                 raise met(error)
-            if state == "cancel_requested":
+            if state != "running":  # its cancel asked for, or the job has ended
                 raise _Cancelled
 
         async def called():  # whatever it raises, its call's own arguments too, is the job's outcome
@@ -4408,22 +4411,22 @@ async def _work(store, function, job):
                 state = _patiently(store, store.progress, job_id, attempt, done, total)
             except Superseded as error:
                 raise met(error)
-            if state == "cancel_requested":
+            if state != "running":
                 raise _Cancelled
 
         running = asyncio.ensure_future(_in_thread(lambda: function(**params, progress=progress), {}))
     keeper = asyncio.create_task(kept())
     try:
         await asyncio.wait((running, keeper), return_when=asyncio.FIRST_COMPLETED)
-        if keeper.done():
+        if keeper.done() and not isinstance(keeper.exception(), _Cancelled):
             keeper.result()  # it lost the lease: Superseded
-        error = running.exception()
+        error = running.exception() if running.done() else keeper.exception()
     finally:
-        await _settle(running, keeper)
+        await _settle(running, keeper)  # (a function the job's end stopped: cancelled, or a thread left to run on)
     if error is None and _is_data(running.result()):
         await patiently(store.finish, job_id, attempt, _copy(running.result()))
-    elif isinstance(error, _Cancelled):
-        await patiently(store.finish, job_id, attempt, None)  # confirmed: no result, cancelled
+    elif isinstance(error, _Cancelled):  # confirmed: no result, cancelled; or the job had ended: nothing changes
+        await patiently(store.finish, job_id, attempt, None)
     elif fenced:
         raise fenced[0]
     elif isinstance(error, RetryLater) and _a_wait(error.seconds):

@@ -7,6 +7,7 @@ import json
 import os
 import sqlite3
 import subprocess
+import threading
 import time
 
 import agent_loop
@@ -305,6 +306,37 @@ class JobRunTests(LeaseCase):
         (obs,) = observations(result)
         self.assertEqual((result["status"], obs["error"], obs["reason"]), ("completed", "job_failed",
                                                                            "deadline_exceeded"))
+
+    async def test_a_running_job_past_its_deadline_lets_the_run_go_on_and_its_next_progress_stops_its_function(self):
+        now = [time.time()]
+        store = self.store(clock=lambda: now[0])  # a lease of 30 s: the worker's runs all along
+        options = {**JOB_RUN_OPTIONS, "store": store, "run_id": "slow-job",
+                   "limits": dataclasses.replace(JOB_RUN_OPTIONS["limits"], job_seconds=10)}
+        model = scripted(calls(call("a", "ja", x=1)), final("done"))
+        self.assertEqual((await run_agent(model, **options))["status"], "awaiting_job")
+        started, go, steps = threading.Event(), threading.Event(), []
+        self.addCleanup(go.set)
+
+        def ja(x, progress):  # a plain function: in a thread, which nothing can cancel
+            for done in (1, 2, 3):
+                progress(done, 3)
+                steps.append(done)
+                started.set()
+                go.wait(60)
+            return {"x": x}
+
+        working = asyncio.create_task(agent_loop.work_jobs(store, {"ja": ja}))
+        await asyncio.to_thread(started.wait, 60)
+        now[0] += 11  # past the job's deadline (job_seconds from its submit), while its function still runs
+        self.assertEqual(store.claim_next(), "slow-job")  # its job has ended: the run is free to go on
+        result = await run_agent(model, **options)
+        (obs,) = observations(result)
+        self.assertEqual((result["status"], obs["error"], obs["reason"], steps, working.done()),
+                         ("completed", "job_failed", "deadline_exceeded", [1], False))
+        go.set()
+        self.assertEqual(await working, 1)  # its next progress told it: the function stopped there
+        self.assertEqual((steps, [event["event"] for event in store.events("slow-job", 1)]),
+                         ([1], ["submitted", "claimed", "progress", "failed"]))
 
     async def test_a_runs_end_and_cancel_run_meet_a_job_past_its_deadline_as_failed_not_cancelled(self):
         now = [time.time()]

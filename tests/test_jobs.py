@@ -359,6 +359,27 @@ class JobTests(LeaseCase):
         await working
         self.assertEqual((store.status("ana", 1)["state"], reported, store.result("ana", 1)), ("cancelled", [1, 2, 3], None))
 
+    async def test_work_jobs_stops_a_job_that_hangs_at_its_next_renewal_once_its_deadline_has_passed(self):
+        now = [0.0]
+        store = self.store(lease_seconds=3, clock=lambda: now[0])  # renewed every second
+        store.submit("ana", "k", "hangs", {}, deadline_seconds=1)
+        started, stopped = asyncio.Event(), []
+
+        async def hangs(progress):  # never a word, never an end
+            started.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                stopped.append("cancelled")
+                raise
+
+        working = asyncio.create_task(agent_loop.work_jobs(store, {"hangs": hangs}))
+        await started.wait()
+        now[0] = 2  # past its deadline, within its lease
+        self.assertEqual(await asyncio.wait_for(working, 30), 1)
+        self.assertEqual((store.status("ana", 1)["error"], stopped, self.events(store, 1)),
+                         ("deadline_exceeded", ["cancelled"], ["submitted", "claimed", "failed"]))
+
     async def test_work_jobs_keeps_the_lease_of_a_job_that_reports_no_progress_and_fills_asyncios_pool(self):
         store = self.store(lease_seconds=1.0)
         other = self.store(lease_seconds=1.0)
