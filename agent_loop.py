@@ -4365,16 +4365,17 @@ async def work_jobs(store, functions):
 
 
 async def _work(store, function, job):
-    """Run one claimed job to its end: its result, its retry, its failure, or its cancel confirmed; Superseded if
-    another worker holds it now, or the store stayed too busy to say so for a lease."""
+    """Run one claimed job to its end: its result, its retry, its failure, or its cancel confirmed (nothing more for
+    a job that ended meanwhile, past its deadline, say); Superseded if another worker holds it now, or the store
+    stayed too busy to say so for a lease."""
     job_id, attempt, params = job["id"], job["attempt"], job["params"]
     patiently = partial(_off_the_loop, store, _patiently, store, waits=True)  # a store's call from the loop, waited out
 
-    async def kept():  # the lease, renewed every third of it while the function runs: Superseded once it is lost,
-        while True:  # _Cancelled once the job has ended (past its deadline, say): its work is no longer wanted
+    async def kept():  # the lease, renewed every third of it while the function runs
+        while True:
             await asyncio.sleep(store.lease_seconds / 3)
-            if await patiently(store.renew_job, job_id, attempt) not in _UNFINISHED:
-                raise _Cancelled
+            if await patiently(store.renew_job, job_id, attempt) not in _UNFINISHED:  # Superseded once it is lost
+                raise _Cancelled  # the job has ended (past its deadline, say): its work is no longer wanted
 
     if type(params) is not dict:
         await patiently(store.fail, job_id, attempt, "params_not_an_object")
@@ -4422,7 +4423,7 @@ async def _work(store, function, job):
             keeper.result()  # it lost the lease: Superseded
         error = running.exception() if running.done() else keeper.exception()
     finally:
-        await _settle(running, keeper)  # (a function the job's end stopped: cancelled, or a thread left to run on)
+        await _settle(running, keeper)  # a function still running stops: an async one cancelled, a thread runs on
     if error is None and _is_data(running.result()):
         await patiently(store.finish, job_id, attempt, _copy(running.result()))
     elif isinstance(error, _Cancelled):  # confirmed: no result, cancelled; or the job had ended: nothing changes
