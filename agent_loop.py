@@ -3212,6 +3212,14 @@ class _Runs:
                                                 "ORDER BY added, run_id")]
 
     @_on_its_thread
+    def runnable(self):
+        """The ids of the runs claim_next may yet hand out, oldest first: free now, held under a lease (it may run
+        out), or waiting on jobs (each ends, by its deadline at the latest); not a run paused for an approval or a
+        write's outcome, nor one set aside: each waits for you. A pool's worker stops once none is left."""
+        return [run_id for run_id, in self._sql("SELECT run_id FROM agent_loop_runs WHERE status IS NULL AND (waits "
+                                                "IS NULL OR waits = 'awaiting_job') ORDER BY added, run_id")]
+
+    @_on_its_thread
     def cancel_run(self, run_id, by="cancel_run"):
         """Cancel a run from anywhere, and ask each of its unfinished jobs to cancel. One that no live lease holds
         (added, crashed past its lease, paused, set aside) ends cancelled now, its stop event saying `by` whom (the

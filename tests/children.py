@@ -131,7 +131,7 @@ def pool_worker(kind, where, name, crash, go=""):
     async def main():
         await until_exists(go)
         with agent_loop.SqlStore(connect, lease_seconds=1.0) as store:
-            while store.unfinished():  # the worker loop of the README
+            while store.runnable():  # the worker loop of the README
                 run_id = await asyncio.to_thread(store.claim_next)
                 if run_id is None:
                     await asyncio.sleep(0.05)
@@ -379,7 +379,7 @@ def job_pool_worker(kind, where, name, role, go=""):
     async def main():
         await until_exists(go)
         with store_of(kind, where, lease_seconds=1.0) as store:
-            while store.unfinished():
+            while store.runnable():
                 if role == "jobs":
                     if not await agent_loop.work_jobs(store, {"place_order": place}):
                         await asyncio.sleep(0.05)

@@ -5,6 +5,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -13,9 +14,9 @@ import threading
 import time
 
 import agent_loop
-from agent_loop import call, Fixtures, Limits, run_agent, ToolSpec
+from agent_loop import call, Fixtures, Limits, run_agent, scripted, ToolSpec
 from test_agent_loop import calls, CONVERSION_TOOLS, final, never_accept, ROOMY, SLOW_ROOMY, wait_until
-from tests.support import LeaseCase
+from tests.support import JOB_RUN_OPTIONS, LeaseCase
 from examples.orders import order_accepted, order_model, ORDER_TOOLS, OrderDesk
 
 
@@ -387,6 +388,28 @@ class LeaseTests(LeaseCase):
         self.assertEqual((before["state"]["used"]["rounds"], len(before["history"]), len(before["trace"])), (1, 1, 1))
         after = reader.load("job")
         self.assertEqual((after["state"]["used"]["rounds"], len(after["history"]), len(after["trace"])), (2, 2, 2))
+
+    async def test_runnable_lists_the_runs_a_pool_may_yet_run_and_none_that_waits_for_you(self):
+        class Unsure(OrderDesk):  # the order timed out after it applied, and reconcile cannot tell
+            async def reconcile(self, call):
+                return {"applied": "perhaps"}
+
+        a, b = self.store(), self.store()
+        for run_id in ("held", "free", "asked", "unsure", "job", "done"):
+            a.add(run_id)
+        self.assertEqual(b.claim_next(), "held")  # its holder may crash: its lease would run out
+        order = dict(model=order_model, registry=ORDER_TOOLS, accept=order_accepted, limits=SLOW_ROOMY)
+        results = [await run_agent(**order, fixtures=OrderDesk(delays={}), store=a, run_id="asked",
+                                   approve=lambda write: "ask"),
+                   await run_agent(**{**order, "limits": dataclasses.replace(SLOW_ROOMY, tool_seconds=0.2)},
+                                   fixtures=Unsure(delays={}, failures={"place_order": ["timeout_after_apply"]}),
+                                   store=a, run_id="unsure", approve=lambda write: "approve"),
+                   await run_agent(scripted(calls(call("a", "ja", x=1))), **JOB_RUN_OPTIONS, store=a, run_id="job"),
+                   await run_agent(store=a, run_id="done", limits=SLOW_ROOMY)]
+        self.assertEqual([result["status"] for result in results],
+                         ["awaiting_approval", "unknown_outcome", "awaiting_job", "completed"])
+        self.assertEqual((a.runnable(), a.unfinished()), (["held", "free", "job"],
+                                                          ["held", "free", "asked", "unsure", "job"]))
 
     async def test_a_run_the_pool_cannot_resume_is_given_back_and_one_saved_otherwise_is_set_aside(self):
         a, b = self.store(), self.store()

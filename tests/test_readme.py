@@ -91,6 +91,43 @@ class ReadmeTests(RuntimeTestCase):
         with agent_loop.SqliteStore(where) as store:
             self.assertEqual([store.load(run_id)["status"] for run_id in "ab"], ["completed", "completed"])
 
+    async def test_the_pools_worker_sets_aside_a_run_it_cannot_take_runs_the_next_and_ends(self):
+        (example,) = code_blocks(readme_section("Many workers, one database"), "python")
+        namespace = {"SqlStore": agent_loop.SqlStore, "run_agent": run_agent, "asyncio": asyncio}
+        exec(compile(example, "README.md", "exec"), namespace)
+        folder = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, folder)
+        where = os.path.join(folder, "runs.db")
+        connect = lambda: sqlite3.connect(where, isolation_level=None, timeout=5, check_same_thread=False)  # noqa: E731
+        started = asyncio.Event()
+
+        async def cut(history):  # an old deploy's run, under other limits, cut as it asks for its second decision
+            if history:
+                started.set()
+                await asyncio.sleep(600)
+            return await agent_loop.fake_model(history)
+
+        with agent_loop.SqlStore(connect) as store:
+            store.add("old")
+            store.add("new")
+            old = asyncio.create_task(run_agent(cut, store=store, run_id="old", limits=Limits(rounds=5)))
+            await started.wait()
+            old.cancel()
+            await asyncio.gather(old, return_exceptions=True)
+            self.assertEqual(store.runnable(), ["old", "new"])
+        await asyncio.wait_for(namespace["worker"](connect, agent_loop.fake_model, Fixtures(delays={}), None), 60)
+        with agent_loop.SqlStore(connect) as store:  # it went on past the old run, and ended: none left it can run
+            self.assertEqual((store.load("new")["status"], store.load("old")["status"]), ("completed", None))
+            self.assertEqual((store.runnable(), store.unfinished()), ([], ["old"]))
+            (line,) = store.overview()["runs"][:1]
+            self.assertEqual((line["run_id"], line["waits"]), ("old", "aside"))
+            store.add("later")
+        with self.assertRaises(ValueError) as raised:  # a mistake of yours stops it, and leaves the run as it was
+            await asyncio.wait_for(namespace["worker"](connect, "not a model", Fixtures(delays={}), None), 60)
+        self.assertEqual(str(raised.exception), "model must be an async function of history")
+        with agent_loop.SqlStore(connect) as store:
+            self.assertEqual(store.runnable(), ["later"])
+
     def test_the_own_prototype_example_runs_as_written(self):
         example = [block for block in code_blocks(readme_section("Copy it into your own prototype"), "python")
                    if "def check(answer, history)" in block]
