@@ -94,6 +94,63 @@ class AttemptTests(RuntimeTestCase):
         result = await self.run_one(read, Limits(tool_seconds=20, total_seconds=10), retries=1, seconds=0.05)
         self.assertEqual((observations(result)[0]["ok"], observations(result)[0]["attempts"]), (True, 2))
 
+    async def test_a_read_is_tried_again_after_a_transient_failure_and_never_after_any_other(self):
+        # Each way a read's first attempt can end but in success (TOOL_ERRORS, a read's lost connection, a result that
+        # is not data, the run's cancel), with retries=3: the code it is observed with, or None where it is transient
+        # and the second attempt succeeds.
+        cancel = asyncio.Event()
+
+        def raising(error):
+            async def attempt():
+                raise error
+            return attempt
+
+        async def not_data():
+            return {"n": object()}
+
+        async def overrun():
+            await asyncio.sleep(30)  # its own limit, 0.5 s, ends it long before
+
+        async def cancelled():
+            cancel.set()  # the run's cancel, while the attempt runs
+            await asyncio.sleep(30)
+
+        cases = [
+            ("ToolError", raising(agent_loop.ToolError("no such n")), "tool_error"),
+            ("PermissionError", raising(PermissionError("private")), "permission_denied"),
+            ("RuntimeError", raising(RuntimeError("private")), "tool_exception"),
+            ("Exception", raising(Exception("private")), "tool_exception"),
+            ("ResultError", raising(agent_loop.ResultError("private")), "tool_exception"),
+            ("a Stop it raised", raising(agent_loop.Stop("cancelled")), "tool_exception"),
+            ("a CancelledError it raised", raising(asyncio.CancelledError()), "tool_exception"),
+            ("a result that is not data", not_data, "tool_exception"),
+            ("the run's cancel", cancelled, "cancelled"),
+            ("TemporaryError", raising(TemporaryError("private")), None),
+            ("TimeoutError", raising(TimeoutError("private")), None),
+            ("its own time limit", overrun, None, 0.5),
+            ("ConnectionError", raising(ConnectionError("private")), None),
+            ("ConnectionResetError", raising(ConnectionResetError("private")), None),
+            ("BrokenPipeError", raising(BrokenPipeError("private")), None),
+        ]
+        for name, first, code, *seconds in cases:
+            with self.subTest(first_attempt=name):
+                cancel.clear()
+                started = []
+
+                async def read(n):
+                    started.append(n)
+                    return await first() if len(started) == 1 else {"n": n}
+
+                registry = {"read": ToolSpec(1, True, True, parameters=self.READ, retries=3, backoff=(0.001, 0.002),
+                                             seconds=seconds[0] if seconds else None)}
+                result = await run_agent(scripted(calls(call("a", "read", n=1))), registry=registry, cancel=cancel,
+                                         fixtures=PlainTools({"read": read}), accept=never_accept,
+                                         limits=dataclasses.replace(ROOMY, rounds=1))
+                (obs,) = observations(result)
+                self.assertEqual((obs.get("error"), obs.get("attempts", 1), len(started), result["used"]["calls"]),
+                                 (code, 1, 1, 1) if code else (None, 2, 2, 2))
+                self.assertNoPrivateText(result)
+
     async def test_a_retry_the_budgets_cannot_pay_for_is_not_made(self):
         read, started = self.flaky(5)
         result = await self.run_one(read, dataclasses.replace(ROOMY, calls=2), retries=5)
@@ -172,6 +229,66 @@ class AttemptTests(RuntimeTestCase):
                 self.assertEqual([obs["call_id"] for obs in observations(result)], ["c0", "c1", "c2", "c3"])
                 if concurrency == 1:  # c0 waits out its backoff: the others run in the meantime
                     self.assertEqual(order, [0, 1, 2, 3, 0])
+
+    def backing_off(self, **script):
+        """A run of reads with one slot, run(model, cancel), and the names of the attempts that started: the reads
+        are "slow", whose retry waits 30 s, "quick", whose retry waits 1 ms, and "plain", never tried again; the
+        call of n=0 is named a, n=1 b, n=2 c, and its attempts do what script[name] says, one word each ("fail",
+        temporary; "hang", until the run ends), and succeed after."""
+        started = []
+
+        async def read(n):
+            name = "abc"[n]
+            started.append(name)
+            does = script.get(name, [])[started.count(name) - 1:][:1]
+            if does == ["fail"]:
+                raise TemporaryError("busy")
+            if does == ["hang"]:
+                await asyncio.sleep(30)
+            return {"n": n}
+
+        registry = {"slow": ToolSpec(1, True, True, parameters=self.READ, retries=1, backoff=(30, 30)),
+                    "quick": ToolSpec(1, True, True, parameters=self.READ, retries=1, backoff=(0.001, 0.001)),
+                    "plain": ToolSpec(1, True, True, parameters=self.READ)}
+
+        def run(model, cancel):
+            return asyncio.create_task(run_agent(
+                model, registry=registry, cancel=cancel, accept=never_accept, fixtures=PlainTools(dict.fromkeys(
+                    registry, read)), limits=Limits(rounds=1, calls=10, concurrency=1, tool_seconds=60,
+                                                    total_seconds=120)))
+
+        return started, run
+
+    async def test_a_call_waiting_out_its_backoff_holds_no_slot_and_the_calls_queued_behind_it_run_meanwhile(self):
+        started, run = self.backing_off(a=["fail"], c=["hang"])
+        cancel = asyncio.Event()
+        with unittest.mock.patch.object(agent_loop.random, "uniform", lambda low, high: high):  # a waits 30 s
+            task = run(scripted(calls(call("a", "slow", n=0), call("b", "plain", n=1), call("c", "plain", n=2))),
+                       cancel)
+            try:  # c starts once b has ended, in the one slot: had a kept the slot through its wait, neither would
+                await wait_until(lambda: started == ["a", "b", "c"])
+            finally:
+                cancel.set()  # ends a's wait, and c: a's retry never starts
+                result = await task
+        self.assertEqual((result["status"], started, result["used"]["calls"]), ("cancelled", ["a", "b", "c"], 3))
+        self.assertEqual([(obs["call_id"], obs.get("error")) for obs in observations(result)],
+                         [("a", "temporary"), ("b", None), ("c", "cancelled")])
+
+    async def test_a_retry_that_comes_due_during_another_calls_backoff_is_not_held_up_by_it(self):
+        started, run = self.backing_off(a=["fail"], b=["fail", "hang"])
+        cancel = asyncio.Event()
+        with unittest.mock.patch.object(agent_loop.random, "uniform", lambda low, high: high):  # a 30 s, b 1 ms
+            task = run(scripted(calls(call("a", "slow", n=0), call("b", "quick", n=1))), cancel)
+            try:  # b fails, waits out its own backoff and starts again, all while a waits out its
+                await wait_until(lambda: started == ["a", "b", "b"])
+            finally:
+                cancel.set()
+                result = await task
+        self.assertEqual((result["status"], started, result["used"]["calls"]), ("cancelled", ["a", "b", "b"], 3))
+        self.assertEqual([(obs["call_id"], obs.get("error"), obs.get("attempts", 1)) for obs in observations(result)],
+                         [("a", "temporary", 1), ("b", "cancelled", 2)])
+        retries = [(event["call_id"], event["attempt"]) for event in result["trace"] if event["event"] == "retry"]
+        self.assertEqual(retries, [("b", 2)])
 
     async def test_a_batch_holds_at_most_limits_batch_calls(self):
         registry = {"read": ToolSpec(1, True, True, parameters=self.READ)}

@@ -361,6 +361,86 @@ class JobRunTests(LeaseCase):
         self.assertEqual([store.status(run_id, n)["error"] for run_id, n in (("fails", 1), ("paused", 2))],
                          ["deadline_exceeded"] * 2)
 
+    async def test_a_run_waiting_on_jobs_is_handed_out_once_every_one_has_ended_and_not_before(self):
+        now = [time.time()]
+        store = self.store(clock=lambda: now[0])
+        worker = self.store(clock=lambda: now[0], lease_seconds=1000)
+        dying = self.store(clock=lambda: now[0], lease_seconds=50)  # its worker dies: its lease runs out
+        # Each run waits on jobs of a kind of its own, named as it is; each is left in a state a waiting run may meet.
+        registry = {}
+        options = {**JOB_RUN_OPTIONS, "store": store, "registry": registry}
+
+        async def waiting(run_id, jobs=1, job_seconds=3600):
+            """The ids of the jobs of a run that paused on them, each job's deadline job_seconds from now."""
+            registry[run_id] = ToolSpec(1, True, True, parameters=JOB_X, job=True)
+            model = scripted(calls(*(call(f"{run_id}-{n}", run_id, x=n) for n in range(jobs))), final("done"))
+            limits = dataclasses.replace(JOB_RUN_OPTIONS["limits"], job_seconds=job_seconds)
+            paused = await run_agent(model, **{**options, "limits": limits}, run_id=run_id)
+            self.assertEqual(paused["status"], "awaiting_job")
+            return [pending["job"] for pending in paused["pending"]]
+
+        def claimed(run_id, by=worker):
+            job = by.claim_job([run_id])
+            return job["id"], job["attempt"]
+
+        await waiting("queued")
+        await waiting("queued_to_retry")
+        worker.fail(*claimed("queued_to_retry"), "busy", retry_after=1000)
+        await waiting("queued_past_its_deadline", job_seconds=10)
+        await waiting("running")
+        claimed("running")
+        await waiting("running_its_worker_dead")
+        claimed("running_its_worker_dead", by=dying)
+        await waiting("running_past_its_deadline", job_seconds=10)
+        claimed("running_past_its_deadline")
+        (job_id,) = await waiting("cancel_requested")
+        claimed("cancel_requested")
+        store.cancel("cancel_requested", job_id)
+        (job_id,) = await waiting("cancel_requested_its_worker_dead")
+        claimed("cancel_requested_its_worker_dead", by=dying)
+        store.cancel("cancel_requested_its_worker_dead", job_id)
+        await waiting("succeeded")
+        worker.finish(*claimed("succeeded"), {"v": 1})
+        await waiting("failed")
+        worker.fail(*claimed("failed"), "out_of_stock")
+        (late,) = await waiting("failed_past_its_deadline", job_seconds=10)
+        (job_id,) = await waiting("cancelled_queued")
+        store.cancel("cancelled_queued", job_id)
+        (job_id,) = await waiting("cancelled_by_its_worker")
+        attempt = claimed("cancelled_by_its_worker")
+        store.cancel("cancelled_by_its_worker", job_id)
+        worker.finish(*attempt, None)  # the cancel confirmed
+        await waiting("one_of_two_ended", jobs=2)
+        worker.finish(*claimed("one_of_two_ended"), {"v": 1})
+        claimed("one_of_two_ended")
+        (_, second) = await waiting("both_ended", jobs=2)
+        worker.finish(*claimed("both_ended"), {"v": 1})  # the first: the oldest
+        store.cancel("both_ended", second)
+        now[0] += 100  # past the deadlines of 10 s, and the dead worker's lease
+        store.status("failed_past_its_deadline", late)  # which fails a job queued past its deadline
+        cases = {  # run: the states of its jobs, and whether claim_next hands it out
+            "queued": (["queued"], False),
+            "queued_to_retry": (["queued"], False),
+            "queued_past_its_deadline": (["queued"], True),  # it will never start: ended
+            "running": (["running"], False),
+            "running_its_worker_dead": (["running"], False),
+            "running_past_its_deadline": (["running"], True),  # as stored; past its deadline, it has ended too
+            "cancel_requested": (["cancel_requested"], False),
+            "cancel_requested_its_worker_dead": (["cancel_requested"], False),
+            "succeeded": (["succeeded"], True),
+            "failed": (["failed"], True),
+            "failed_past_its_deadline": (["failed"], True),
+            "cancelled_queued": (["cancelled"], True),
+            "cancelled_by_its_worker": (["cancelled"], True),
+            "one_of_two_ended": (["succeeded", "running"], False),
+            "both_ended": (["succeeded", "cancelled"], True),
+        }
+        jobs = store.overview()["jobs"]
+        self.assertEqual({run_id: [job["state"] for job in jobs if job["owner"] == run_id] for run_id in cases},
+                         {run_id: states for run_id, (states, _) in cases.items()})
+        handed = [store.claim_next() for _ in range(len(cases) + 1)]  # each leased as it is handed out: once
+        self.assertEqual(sorted(filter(None, handed)), sorted(run_id for run_id, (_, out) in cases.items() if out))
+
     async def test_a_job_the_store_refuses_is_a_failed_observation_never_an_exception(self):
         store = self.store(max_jobs=1)
         store.submit("someone", "k", "export", {})  # the queue is full
