@@ -48,11 +48,6 @@ ROW_KEYS = {"sku", "stock", "target", "unit_cents"}
 MAX_AMOUNT = 100_000
 
 
-def canonical(value):
-    """Return value as JSON text with sorted keys and no spaces: equal text means equal data, types included."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
-
-
 def valid_rows(rows):
     """Return True if rows is a list of 1 to 4 inventory rows of exact types, with no sku twice."""
     if type(rows) is not list or not 1 <= len(rows) <= 4:
@@ -144,6 +139,11 @@ class Stop(Exception):
 
 
 # PART 1, hard cases: data from outside is plain JSON data, and a tool's JSON Schema is checked exactly
+
+def canonical(value):
+    """Return value as JSON text with sorted keys and no spaces: equal text means equal data, types included."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
 
 # Limits on data from outside (a decision, a tool's result, arguments, an answer): nesting, and how many
 # values it holds, each counted once per place it appears. The count bounds the work of checking it, so a
