@@ -124,6 +124,7 @@ class Limits:
     batch: int = 4  # the calls a batch may hold
     concurrency: int = 4  # the calls of a batch in flight at once
     job_seconds: float = 3_600.0  # each job's deadline, from when it is submitted (PART 15): an hour
+    tokens: int | None = None  # the input and output tokens the model's replies may use, summed (PART 16): no limit
 
 
 class TemporaryError(Exception):
@@ -798,8 +799,7 @@ def _plain_call(function, *args):
 
 # PART 4: run_agent: budgets, dispatch, observation history, stop states
 
-# Every way a run of the article's runtime can end, and the errors only a call's observation carries (every_status()
-# and every_error() add the later parts' own).
+# How a run of the article can end, and the errors only an observation carries (every_status(), every_error(): all).
 STOP_STATUSES = (
     "completed", "round_limit", "call_limit", "credit_limit", "deadline", "cancelled", "model_timeout",
     "model_exception", "invalid_decision", "invalid_final", "invalid_batch", "invalid_call", "invalid_call_id",
@@ -818,8 +818,8 @@ class Run:
     on_event: Callable | None = None  # a watcher of each event
     accept: Callable = accepted  # the final check
     refusal: Callable | None = None  # what a refused batch becomes (a round, or None: the run stops), if not the end
-    parts: tuple = ()  # the later parts it meets, in order (see Part): the article's run meets none
-    seams: dict = field(default_factory=dict)  # seam name: the methods of the parts that have it, in order
+    parts: tuple = ()  # the later parts it meets, in order (see Part)
+    seams: dict = field(default_factory=dict)  # seam name: the methods of the parts that have it (only if one has)
     deadline: float = math.inf  # on the loop's clock
     used: dict = field(default_factory=lambda: {"rounds": 0, "calls": 0, "credits": 0})
     history: list = field(default_factory=list)  # a {"round", "calls", "observations"} per round
@@ -850,18 +850,18 @@ class Run:
     async def emit(self, event, spent=False):
         """Trace the event (and keep it first, if it ends a step that spends), then let the watcher see it."""
         self.trace.append(event)
-        if spent and self.parts:
+        if spent and "spent" in self.seams:
             await self.seam("spent")
         if self.on_event is not None:
             await _watch(self, event)
 
     async def finish(self, status, answer=None, **why):
         """The stop event and the result, each later part's before the watcher sees it (a store saves it)."""
-        named = await self.seam("named", {}) if self.parts else {}
+        named = await self.seam("named", {}) if "named" in self.seams else {}
         self.trace.append({"event": "stop", "status": status, **self.used, **why, **named})
         result = _copy({"status": status, "answer": answer, "used": self.used, "history": self.history,
                         "trace": self.trace, **named})
-        result = await self.seam("end", result) if self.parts else result
+        result = await self.seam("end", result) if "end" in self.seams else result
         await _watch(self, result["trace"][-1])
         return result
 
@@ -889,7 +889,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             _within_budget(run.used, run.limits, 0, MODEL_COST, "a decision")
             run.used["rounds"] += 1
             run.used["credits"] += MODEL_COST
-            if run.parts:  # (the article's run meets no later part, and pays nothing for their seams)
+            if "spent" in run.seams:  # (a run pays nothing for a seam none of its parts has)
                 await run.seam("spent")  # paid: a crash from here on keeps this round and its credits spent
             decision = await _decision(run, model)  # our own copy, made the moment the model returned it
             run.time_left()
@@ -897,9 +897,8 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             # Read the decision: a final answer, or a batch of calls that preflight admits whole.
             if type(decision) is not dict:
                 raise Stop("invalid_decision", reason="a decision is a dict")
-            await run.emit({"event": "decision", "round": turn, "kind": _kind(decision), **run.used})
-            if run.parts:
-                await run.seam("offer")  # the tools a batch may call now
+            said = await run.seam("reply", {}, decision) if "reply" in run.seams else {}  # (a later part's own keys)
+            await run.emit({"event": "decision", "round": turn, "kind": _kind(decision), **run.used, **said})
             try:
                 answer, batch, ids, signatures = _read(decision, run)
             except Stop as stop:  # the refusal policy says what becomes of it: the end of the run, or a round
@@ -928,7 +927,7 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
 
             # Act: in parallel only if every tool in the batch allows it; then continue, or stop.
             run.history.append({"round": turn, "calls": batch, "observations": []})
-            if run.parts:
+            if "spent" in run.seams:
                 await run.seam("spent")  # admitted: a crash from here on counts every call of the batch as started
             await _act(run, run.history[-1])
         raise Stop("round_limit", reason=f"all {run.limits.rounds} rounds were used")
@@ -944,8 +943,9 @@ async def _act(run, record):
     """Run a batch's calls not yet observed, once its gate lets them: in parallel only if every tool allows it."""
     done, parallel = record["observations"], _parallel(run.registry, record["calls"])
     calls = record["calls"][len(done):]  # (the rest of a batch that a later part goes on with)
-    gated = await run.seam("gate", None, record, calls) if run.parts else None  # a part's: observations instead
-    tried = await run.seam("attempts", partial(_observe, run), calls) if run.parts else partial(_observe, run)
+    gated = await run.seam("gate", None, record, calls) if "gate" in run.seams else None  # a part's observations
+    tried = partial(_observe, run)
+    tried = await run.seam("attempts", tried, calls) if "attempts" in run.seams else tried
     if gated is not None:
         done += gated
     elif parallel and len(calls) > 1:
@@ -956,7 +956,7 @@ async def _act(run, record):
         for item in calls:  # one by one; after a failure the model cannot retry, the rest never starts
             aborted = done and _fatal(done[-1])
             done.append(_failure(item, "batch_aborted", False) if aborted else await tried(item))
-            if run.parts:
+            if "spent" in run.seams:
                 await run.seam("spent")  # each observation of a serial batch kept as soon as it is known
     await run.emit({"event": "observations", "round": record["round"], "ids": _ids(record), "parallel": parallel,
                     **run.used}, spent=True)
@@ -968,7 +968,7 @@ async def _observe(run, item):
     """Run one admitted call and return its observation; nothing it raises escapes."""
     spec, invoke = run.registry[item["name"]], run.serves.get(item["name"], run.tools.invoke)  # (a part's own tool)
     try:  # the tool gets a copy of its call: one that edits it cannot edit history
-        call = await run.seam("before_call", _copy(item), item) if run.parts else _copy(item)
+        call = await run.seam("before_call", _copy(item), item) if "before_call" in run.seams else _copy(item)
         seconds = min(spec.seconds or run.limits.tool_seconds, run.time_left())  # a tool's own limit, if it has one
     except Stop as stop:  # overtaken by a stop: neither started nor counted
         return _failure(item, str(stop), False)
@@ -978,7 +978,7 @@ async def _observe(run, item):
         obs = _success(item, await _bounded(lambda: invoke(call), seconds, run.cancel, run.cancel_wait))
     except Exception as error:
         obs = _tool_failure(item, error, spec.read_only)
-    return await run.seam("after_call", obs, item) if run.parts else obs
+    return await run.seam("after_call", obs, item) if "after_call" in run.seams else obs
 
 
 # PART 4, hard cases: what run_agent is given, checked before the model is asked; the seams where later parts join;
@@ -1043,17 +1043,19 @@ class Part:
     errors: every_status() and every_error() give the module's), pauses (statuses that pause a named run, as
     awaiting_approval does, rather than end it), refusals (names for on_refused: policy(stop, decision, turn, run)
     gives the round a refused batch becomes, or None), observable (the part's refusals that an observed batch may
-    hold: PART 7), settled (observation errors that say a write's fate: it is not reconciled) and options (the
-    run_agent keywords it takes). join(run, given) gives the part as it meets a run given those options (or whose
+    hold: PART 7), settled (observation errors that say a write's fate: it is not reconciled), options (the
+    run_agent keywords it takes) and limits (the fields it adds to Limits: a run saved before one was added resumes
+    while it is at its default). join(run, given) gives the part as it meets a run given those options (or whose
     registry or limits ask for it: a read with retries, a job tool), or None: a run that asks for none of a part
-    meets none of it, and the article's run meets no part at all. The parts meet a run in the order of PARTS, the
-    tuple after the last of them: they join in that order (a store's journal last: it checks what it holds for the
-    run as the others made it, then claims it), and the loop calls each seam of theirs in that order.
+    meets none of it; the article's run meets one, that reads what each reply used, at one seam (reply). The parts
+    meet a run in the order of PARTS, the tuple after the last of them: they join in that order (a store's journal
+    after those that shape the run: it checks what it holds for the run as they made it, then claims it), and the
+    loop calls each seam of theirs in that order.
     A seam is a method below, named for the step of the article it serves. The loop calls it on the parts whose class
     has it, with the run and a value, and goes on with what it returns. A part that needs another's word asks it by
     a plain call, never through a seam."""
 
-    statuses = errors = pauses = observable = settled = options = ()
+    statuses = errors = pauses = observable = settled = options = limits = ()
     refusals = types.MappingProxyType({})
 
     @classmethod
@@ -1081,9 +1083,9 @@ class Part:
         """A step that spends was taken: a decision paid, a batch admitted, a call or batch observed, a refusal."""
         return value
 
-    async def offer(self, run, value):
-        """Before a decision is read: the tools its batch may call (run.registry), and run.authorize."""
-        return value
+    async def reply(self, run, said, decision):
+        """A reply (a dict, ours), before it is read: a part takes its keys out; said: what its event adds."""
+        return said
 
     async def gate(self, run, observations, record, calls):
         """Before the calls of a batch start (observations None): observations in their place (none starts), or Stop."""
@@ -1151,7 +1153,7 @@ async def _joined(run, options):
             for name in _SEAMS:  # it meets the run at the seams its class has, from now on
                 if getattr(type(part), name) is not getattr(Part, name):
                     run.seams.setdefault(name, []).append(getattr(part, name))
-    if run.parts:
+    if "serves" in run.seams:
         run.serves = await run.seam("serves", {})
 
 
@@ -1837,9 +1839,9 @@ async def _ask(create, request):
     return reply.model_dump() if hasattr(reply, "model_dump") else reply
 
 
-def _model(create, options, turns, replay, tools, decide):
+def _model(create, options, turns, replay, tools, decide, usage):
     """A model for run_agent: one request per decision: tools(history) gives its tools and the history it replays
-    after the task's turns."""
+    after the task's turns; its decision carries what the reply says it used (PART 16), as usage spells it."""
     if not _callable_object(create):
         raise ValueError("create must be your client's method, such as client.responses.create")
     key, first = turns
@@ -1851,9 +1853,25 @@ def _model(create, options, turns, replay, tools, decide):
     async def model(history):
         offered, shown = tools(history)
         request = {**options, key: [*_copy(first), *replay(shown)], "tools": _copy(offered)}
-        return decide(await _ask(create, request))
+        reply = await _ask(create, request)
+        return {**decide(reply), **_usage(reply, usage)}
 
     return model
+
+
+def _usage(reply, spelt):
+    """{"usage": {key: count}} of what a reply says it used, each count the sum of the fields that spelt names for
+    its key (a field left out or null is 0; one that is not an int >= 0 goes as it came, for the run to refuse); {}
+    for a reply without usage: it reported nothing, not zeros."""
+    usage = _field(reply, "usage")
+    if type(usage) is not dict:
+        return {}
+    said = {}
+    for key, fields in spelt.items():
+        counts = [_field(usage, *name.split(".")) for name in fields.split(" + ")]
+        counts = [0 if count is None else count for count in counts]
+        said[key] = next((count for count in counts if type(count) is not int or count < 0), sum(counts))
+    return {"usage": said}
 
 
 def _offered(tools, registry, catalog, grants):
@@ -1891,6 +1909,9 @@ def responses_tools(registry=TOOLS):
 
 
 _RESPONSES_CUT_OFF = {"max_output_tokens": "truncated", "content_filter": "content_filter"}
+_RESPONSES_USAGE = {"input_tokens": "input_tokens", "output_tokens": "output_tokens",
+                    "cached_input_tokens": "input_tokens_details.cached_tokens",
+                    "reasoning_tokens": "output_tokens_details.reasoning_tokens"}
 
 
 def from_responses(response):
@@ -1930,7 +1951,7 @@ def responses_input(history):
 def responses_model(create, task, registry=TOOLS, catalog=None, grants=None, **options):
     """A model for run_agent that asks a Responses API create() for every decision; options go into every request."""
     return _model(create, options, ("input", _task(task)), responses_input,
-                  _offered(responses_tools, registry, catalog, grants), from_responses)
+                  _offered(responses_tools, registry, catalog, grants), from_responses, _RESPONSES_USAGE)
 
 
 # OpenAI Chat Completions (also what vLLM, llama.cpp, Ollama and others serve)
@@ -1943,6 +1964,9 @@ def chat_tools(registry=TOOLS):
 
 
 _CHAT_CUT_OFF = {"length": "truncated", "content_filter": "content_filter"}
+_CHAT_USAGE = {"input_tokens": "prompt_tokens", "output_tokens": "completion_tokens",
+               "cached_input_tokens": "prompt_tokens_details.cached_tokens",
+               "reasoning_tokens": "completion_tokens_details.reasoning_tokens"}
 
 
 def from_chat(completion):
@@ -1975,7 +1999,7 @@ def chat_messages(history):
 def chat_model(create, task, registry=TOOLS, catalog=None, grants=None, **options):
     """A model for run_agent that asks a Chat Completions create() for every decision; options go into every request."""
     return _model(create, options, ("messages", _task(task)), chat_messages,
-                  _offered(chat_tools, registry, catalog, grants), from_chat)
+                  _offered(chat_tools, registry, catalog, grants), from_chat, _CHAT_USAGE)
 
 
 # Anthropic Messages
@@ -1993,6 +2017,9 @@ def messages_tools(registry=TOOLS):
 # A refusal, a reply cut off by its token limit or the context window, and a paused turn never answer.
 _MESSAGES_CUT_OFF = {"refusal": "refusal", "max_tokens": "truncated", "model_context_window_exceeded": "truncated",
                      "pause_turn": "paused"}
+# Every input token the request carried: those read from the cache and those written to it are counted apart.
+_MESSAGES_USAGE = {"input_tokens": "input_tokens + cache_read_input_tokens + cache_creation_input_tokens",
+                   "output_tokens": "output_tokens", "cached_input_tokens": "cache_read_input_tokens"}
 
 
 def from_messages(message):
@@ -2036,7 +2063,7 @@ def messages_model(create, task, registry=TOOLS, catalog=None, grants=None, **op
     if "max_tokens" not in options:
         raise ValueError("messages_model needs max_tokens: the Messages API requires it")
     return _model(create, options, ("messages", _task(task)), messages_input,
-                  _offered(messages_tools, registry, catalog, grants), from_messages)
+                  _offered(messages_tools, registry, catalog, grants), from_messages, _MESSAGES_USAGE)
 
 
 # PART 9: tools from an MCP server, under the same preflight, budgets and time limits
@@ -2290,8 +2317,11 @@ class _Journal(Part):
         store_id = store_id if type(store_id) is str else ""
         if (approve is not None or approvals) and not store_id:
             raise ValueError("a store that runs writes needs a store_id of its own: their keys are made of it")
+        later = {name: getattr(run.limits, name) for name in _declared("limits")
+                 if getattr(run.limits, name) != getattr(Limits, name)}  # (compared once set: see Part)
         config = canonical(_integral({
-            "limits": [getattr(run.limits, field.name) for field in dataclasses.fields(Limits)],
+            "limits": [getattr(run.limits, field.name) for field in dataclasses.fields(Limits)
+                       if field.name not in _declared("limits")] + ([later] if later else []),
             "registry": {name: [spec.cost, spec.read_only, spec.parallel_safe, spec.job, spec.parameters]
                          for name, spec in run.registry.items()}}))
         # A run that may write (a write in its registry, a catalog's, approve or approvals given) keeps their fate.
@@ -4241,14 +4271,18 @@ class _CatalogRun(Part):
             entries[name].spec if name in entries else _told_spec(told))  # retired since: as told, charged nothing
             for name, told in _loaded(history).items() if name not in self.base}}
 
-    async def offer(self, run, value):
+    async def reply(self, run, said, decision):
+        """The tools the reply's batch may call: what this run loaded, as the grants, read again, allow."""
+        self._offer(run)
+        return said
+
+    def _offer(self, run):
         """The grants read again; the tools this run loaded, and the gate that checks each call of one."""
         self.now, self.loaded, self.offered = _granted(self.grants), _loaded(run.history), True
         for told in self.loaded.values():  # what this run loaded, the catalog gave out (in this process or before)
             self.catalog._given(told)
         run.registry = self.registry_at(run.history)
         run.authorize = self.authorize
-        return value
 
     def _serve(self, entries):
         """ValueError if the run's tools cannot serve these entries of the catalog (check_registry, check_writes)."""
@@ -4286,7 +4320,7 @@ class _CatalogRun(Part):
         """Before a batch starts, its calls of loaded tools at the gate once more, if it was not admitted just now
         (a batch resumed once its writes were approved): grants and definitions as they stand."""
         if observations is None and not self.offered:
-            await self.offer(run, None)
+            self._offer(run)
             for item in calls:
                 refused = self.authorize(item["name"])
                 if refused and run.refusal is None:
@@ -4588,9 +4622,110 @@ class _JobRuns(Part):
         return self._waiting(item, receipt)
 
 
+# PART 16: what a run costs its model: the tokens each reply used, counted apart from the budgets, and a limit on them
+
+USAGE = ("input_tokens", "output_tokens", "cached_input_tokens", "reasoning_tokens")  # a reply's, and a run's sums
+_REQUESTS = ("requests", "unreported")  # a run's usage besides its sums
+
+
+@dataclass(eq=False)
+class Usage(Part):
+    """What each reply of the model used, counted; and Limits.tokens, a limit that fails safe. It meets every run.
+
+    A decision may carry "usage": {"input_tokens": n, "output_tokens": n}, and "cached_input_tokens" and
+    "reasoning_tokens" if it has them, each an int >= 0: input, every token the request carried (those read from a
+    cache among them, cached); output, every token of the reply (those spent reasoning among them, reasoning). A usage
+    that is not such a dict is invalid_decision, naming the key. A decision without it reported nothing; the bridges
+    (PART 8) read it from every reply, whatever the run makes of it. Once a reply has reported usage, or under a token
+    limit, result["usage"] (and the stop event) holds {"requests": every decision paid for, the sum of each of USAGE,
+    "unreported": those whose reply said nothing, or that a stop or a crash cut before it came}; used and the
+    article's budgets are not touched. The decision event of a reply that reported carries its "usage".
+
+    Limits.tokens bounds input plus output tokens over the run, checked the moment a reply arrives: a reply that takes
+    the run past it ends it token_limit, none of its calls started and its answer unchecked, and stays counted. Under
+    a limit, a reply that reports nothing ends the run token_limit too: a limit that cannot be checked is not kept.
+
+    A named run keeps its usage in its trace: a reply's decision event is saved with the batch it admits, before any
+    of its calls starts (or with the run's end), and a resume counts again from the events saved. A request a crash
+    cut before its reply was saved counts unreported; so do the requests of a run saved before this part, which
+    resumes as it would have."""
+
+    statuses = ("token_limit",)
+    limits = ("tokens",)
+
+    sums: dict = field(default_factory=lambda: dict.fromkeys(USAGE, 0))
+    reported: int = 0  # the replies that said what they used
+
+    @classmethod
+    def join(cls, run, given):
+        tokens = run.limits.tokens
+        if tokens is not None and (type(tokens) is not int or tokens < 1):
+            raise ValueError("tokens must be None or an int >= 1")
+        return cls()
+
+    async def resume(self, run, ended):
+        """What a saved run's replies used, counted again from its trace; an ended run's, as its stop event said."""
+        if ended is not None:
+            stop = ended["trace"][-1] if ended["trace"] else {}
+            return {**ended, "usage": stop["usage"]} if "usage" in stop else ended
+        self.sums, self.reported = _trace_usage(run.trace)
+        return ended
+
+    async def reply(self, run, said, decision):
+        """The reply's usage, taken out of the decision, checked and counted; then the token limit."""
+        tokens = run.limits.tokens
+        if "usage" not in decision:
+            if tokens is not None:
+                raise Stop("token_limit", reason="the model reported no usage: a token limit cannot be checked")
+            return said
+        usage = decision.pop("usage")
+        why = _usage_error(usage)
+        if why is not None:
+            raise Stop("invalid_decision", reason=why)
+        self.reported += 1
+        self.sums = {key: self.sums[key] + usage.get(key, 0) for key in USAGE}
+        spent = self.sums["input_tokens"] + self.sums["output_tokens"]
+        if tokens is not None and spent > tokens:
+            raise Stop("token_limit", reason=f"the replies used {spent} tokens, more than tokens={tokens}")
+        return {**said, "usage": usage}
+
+    async def named(self, run, names):
+        if not self.reported and run.limits.tokens is None:
+            return names
+        requests = run.used["rounds"]
+        return {**names, "usage": {"requests": requests, **self.sums, "unreported": requests - self.reported}}
+
+
+def _trace_usage(trace):
+    """(the sums of USAGE, the replies that reported) as a run's trace says: each decision event's usage added, a stop
+    event's totals taken whole (they count the reply the token limit stopped, which has no decision event)."""
+    sums, reported = dict.fromkeys(USAGE, 0), 0
+    for event in trace:
+        usage, kind = event.get("usage"), event.get("event")
+        counts = usage if type(usage) is dict and all(type(n) is int and n >= 0 for n in usage.values()) else {}
+        if kind == "decision" and {"input_tokens", "output_tokens"} <= counts.keys() <= set(USAGE):
+            sums, reported = {key: sums[key] + counts.get(key, 0) for key in USAGE}, reported + 1
+        elif kind == "stop" and counts.keys() == {*USAGE, *_REQUESTS}:
+            sums, reported = {key: counts[key] for key in USAGE}, counts["requests"] - counts["unreported"]
+    return sums, reported
+
+
+def _usage_error(usage):
+    """Why usage is not what a reply may say it used, or None."""
+    if type(usage) is not dict:
+        return "usage must be a dict of token counts"
+    for key in (*USAGE[:2], *usage):
+        if key not in USAGE:
+            return f"usage: {key} is not a count of tokens"
+        if type(usage.get(key)) is not int or usage[key] < 0:
+            return f"usage: {key} must be an int >= 0"
+    return None
+
+
 # The later parts, in the order they meet a run (see Part): each joins after those before it, and meets the run at
-# each seam after them; the journal last, as it checks what the store holds for the run as the others made it.
-PARTS = (ObservedRefusals, _CatalogRun, Attempts, _JobRuns, _Journal, _Writes)
+# each seam after them; the journal after those that shape the run, as it checks what the store holds for the run as
+# they made it; the usage after the journal, as it counts again what the journal put back.
+PARTS = (ObservedRefusals, _CatalogRun, Attempts, _JobRuns, _Journal, _Writes, Usage)
 
 
 # ======================================================================================================================
@@ -4600,7 +4735,7 @@ PARTS = (ObservedRefusals, _CatalogRun, Attempts, _JobRuns, _Journal, _Writes)
 # ======================================================================================================================
 
 
-# PART 16: see a store: its runs and jobs, a line each, and a run's events as they are saved
+# PART 17: see a store: its runs and jobs, a line each, and a run's events as they are saved
 
 def _until(holder, until, now):
     """Who holds a lease and until when, for a person: "-" if nobody does."""
@@ -4610,14 +4745,25 @@ def _until(holder, until, now):
         " (run out)" if until <= now else "")
 
 
-def _run_line(run, now):
+def _run_line(run, now, tokens):
     used = run["used"] or _NOTHING_USED
     state = run["status"] or ("waiting" if run["waits"] else "held" if run["holder"] and run["until"] > now else
                               "queued" if used == _NOTHING_USED else "free")
     waits = run["waits"] and f"waits: {run['waits']}" + (f" ({run['why']})" if run["why"] else "")
     return (f"run {run['run_id']:<16} {state:<18} generation {run['generation']:<3} round {used['rounds']}, "
-            f"{used['calls']} calls, {used['credits']} credits  {_until(run['holder'], run['until'], now)}"
+            f"{used['calls']} calls, {used['credits']} credits" + (f", {tokens:,} tokens" if tokens is not None else "")
+            + f"  {_until(run['holder'], run['until'], now)}"
             + (f"  {waits}" if waits else "") + (f"  cancel asked by {run['cancel']}" if run["cancel"] else ""))
+
+
+def _tokens(sql):
+    """The input and output tokens each run's replies reported, by run id, for the runs whose replies reported any."""
+    traces = {}
+    for run_id, body in sql("SELECT run_id, body FROM agent_loop_events WHERE body LIKE '%\"usage\"%' ORDER BY seq"):
+        traces.setdefault(run_id, []).append(json.loads(body))
+    counted = {run_id: _trace_usage(trace) for run_id, trace in traces.items()}
+    return {run_id: sums["input_tokens"] + sums["output_tokens"] for run_id, (sums, reported) in counted.items()
+            if reported}
 
 
 def _job_line(job, now):
@@ -4642,8 +4788,10 @@ async def see_store(path, follow=None):
         if version != str(STORE_VERSION):
             raise ValueError(f"{path}: not a store" if version is None else f"{path}: a store of another version")
         if follow is None:
-            seen, now = await asyncio.to_thread(_overview, sql), time.time()
-            lines = [_run_line(run, now) for run in seen["runs"]] + [_job_line(job, now) for job in seen["jobs"]]
+            seen, tokens = await asyncio.to_thread(_overview, sql), await asyncio.to_thread(_tokens, sql)
+            now = time.time()
+            lines = [_run_line(run, now, tokens.get(run["run_id"])) for run in seen["runs"]] + [
+                _job_line(job, now) for job in seen["jobs"]]
             print("\n".join(lines or ["(an empty store)"]))
             return
         _checked_name("run_id", follow)

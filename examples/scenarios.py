@@ -39,6 +39,11 @@ async def _failing_model(history):
     raise RuntimeError("private detail of a model failure")
 
 
+async def _counted_model(history):
+    """fake_model, each of its replies reporting 400 input and 60 output tokens, as a real model's would."""
+    return {**await fake_model(history), "usage": {"input_tokens": 400, "output_tokens": 60}}
+
+
 async def _obeying_note(history):
     """fake_model, except that it follows the injected note once it has read it."""
     if any(obs["ok"] and obs["data"].get("note") == NOTE for record in history for obs in record["observations"]):
@@ -246,6 +251,8 @@ ATLAS = (
     ("repeat_limit", "north failed temporarily twice; a third identical read was refused",
      {"failures": {"north": ["temporary", "temporary"]}}),
     ("tool_exception", "north had an internal fault; its message is not kept", {"failures": {"north": ["bug"]}}),
+    ("token_limit", "each reply used 460 tokens; the third, the answer, took the run past tokens=1000 unread",
+     {"model": _counted_model, "limits": {"tokens": 1000}}),
     # The later parts' statuses, and runs that resumed (PART 10, 11, 13 and 15).
     ("superseded", "another process resumed the run while its reads ran: its next save was refused, nothing more "
                    "started", {"run": _taken_over, "drawn": False}),

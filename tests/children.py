@@ -424,12 +424,38 @@ def serial_jobs_run(kind, where, ready):
     asyncio.run(main())
 
 
+def counted_run(path, ready, crash):
+    """The counted run (tests/test_usage.py), named "counted" in the SQLite store at path, killed as crash says:
+    "plan", while the second reply's call runs; "model", while the model makes its second decision."""
+    from tests.test_usage import COUNTED_LIMITS, counted_model
+
+    class Hanging(Fixtures):
+        async def invoke(self, call):
+            if crash == "plan" and call["name"] == "compute_plan":
+                open(ready, "w").close()
+                await asyncio.sleep(600)  # the parent kills us here
+            return await super().invoke(call)
+
+    async def model(history):
+        if crash == "model" and len(history) == 1:
+            open(ready, "w").close()
+            await asyncio.sleep(600)  # the parent kills us while the second decision is being made
+        return await counted_model(history)
+
+    async def main():
+        with agent_loop.SqliteStore(path) as store:
+            await run_agent(model, store=store, run_id="counted", fixtures=Hanging(delays={}), limits=COUNTED_LIMITS)
+
+    asyncio.run(main())
+
+
 CHILDREN = {"mcp_server": mcp_server, "crashing_run": crashing_run, "writing_run": writing_run,
             "pool_worker": pool_worker, "frozen_worker": frozen_worker, "catalog_run": catalog_run,
             "retrying_run": retrying_run,
             "job_worker": job_worker, "job_run": job_run, "slow_run": slow_run, "cancel_run": cancel_run,
             "follow": follow, "job_pool_worker": job_pool_worker,
-            "frozen_job_worker": frozen_job_worker, "serial_jobs_run": serial_jobs_run}  # what `python3 tests/children.py NAME ARGS` runs
+            "frozen_job_worker": frozen_job_worker, "serial_jobs_run": serial_jobs_run,
+            "counted_run": counted_run}  # what `python3 tests/children.py NAME ARGS` runs
 
 
 if __name__ == "__main__":

@@ -199,8 +199,9 @@ def reply_responses(body, action):
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
             "parallel_tool_calls": True, "tool_choice": "auto", "tools": body.get("tools", []),
             "text": {"format": {"type": "text"}, "verbosity": "medium"},
-            "usage": {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-                      "output_tokens": 5, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 15}}
+            "usage": action.get("usage", {
+                "input_tokens": 10, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "output_tokens": 5, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 15})}
 
 
 def reply_chat(body, action):
@@ -213,7 +214,7 @@ def reply_chat(body, action):
     finish = "length" if action.get("cut_off") else "tool_calls" if tool_calls else "stop"
     return {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()), "model": body["model"],
             "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
+            "usage": action.get("usage", {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15})}
 
 
 def reply_messages(body, action):
@@ -225,7 +226,8 @@ def reply_messages(body, action):
             else "tool_use" if action.get("calls") else "end_turn")
     return {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": body["model"], "content": content,
             "stop_reason": stop, "stop_sequence": None,
-            "usage": {"input_tokens": 10, "output_tokens": 5, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
+            "usage": action.get("usage", {"input_tokens": 10, "output_tokens": 5, "cache_creation_input_tokens": 0,
+                                          "cache_read_input_tokens": 0})}
 
 
 PROVIDER_PATHS = {"/v1/responses": ("responses", read_responses, reply_responses),
@@ -287,7 +289,8 @@ class QuietServer(http.server.ThreadingHTTPServer):
 class FakeProvider:
     """The three APIs on 127.0.0.1: each valid request is answered by brain(api, conversation, tool names), which
     returns an action: {"calls": [(id or None, name, arguments)]}, {"text": ...}, {"refusal": ...},
-    {"cut_off": True, "text": ...}, {"status": 500}, or {"sleep": seconds, "then": action}."""
+    {"cut_off": True, "text": ...}, {"status": 500}, or {"sleep": seconds, "then": action}; "usage", the reply's own,
+    as the API spells it."""
 
     def __init__(self, brain):
         self.brain, self.seen, self.lock = brain, [], threading.Lock()

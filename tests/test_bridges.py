@@ -705,6 +705,32 @@ class SdkLaneTests(RuntimeTestCase):
         self.assertEqual(done.stdout.splitlines(), ["completed {'rounds': 3, 'calls': 2, 'credits': 11}"] * 2)
         self.assertEqual([tool["name"] for tool in fake.seen[0][1]["tools"]], ["get_rate", "convert"])
 
+    async def test_every_replys_usage_is_summed_in_one_meaning_on_every_api(self):
+        # Each reply's usage as the API spells it (n: the reply's number), and what it means: input, output, cached,
+        # reasoning. Messages counts the input read from and written to its cache apart from the rest.
+        spelt = {
+            "responses": lambda n: {"input_tokens": 100 * n, "input_tokens_details": {"cached_tokens": 60 * n},
+                                    "output_tokens": 10 * n, "output_tokens_details": {"reasoning_tokens": 4 * n},
+                                    "total_tokens": 110 * n},
+            "chat": lambda n: {"prompt_tokens": 100 * n, "prompt_tokens_details": {"cached_tokens": 60 * n},
+                               "completion_tokens": 10 * n, "completion_tokens_details": {"reasoning_tokens": 4 * n},
+                               "total_tokens": 110 * n},
+            "messages": lambda n: {"input_tokens": 30 * n, "cache_read_input_tokens": 60 * n,
+                                   "cache_creation_input_tokens": 10 * n, "output_tokens": 10 * n},
+        }
+        for api, usage in spelt.items():
+            for asynchronous in (False, True):
+                with self.subTest(api=api, asynchronous=asynchronous):
+                    def brain(api, talk, tools, usage=usage):
+                        return {**inventory_brain(api, talk, tools), "usage": usage(len(talk.rounds) + 1)}
+
+                    fake = self.provider(brain)
+                    result = await run_agent(self.model(api, self.create(api, fake, asynchronous)), limits=ROOMY)
+                    self.assertEqual(result["status"], "completed")
+                    self.assertEqual(result["usage"], {  # three replies: n = 1, 2, 3
+                        "requests": 3, "input_tokens": 600, "output_tokens": 60, "cached_input_tokens": 360,
+                        "reasoning_tokens": 0 if api == "messages" else 24, "unreported": 0})
+
     async def test_a_refusal_or_a_cut_off_reply_never_answers(self):
         for api in MAKE_MODEL:
             for action, kind in (({"refusal": "I can't help with that."}, "refusal"),

@@ -31,6 +31,11 @@ class ReadmeTests(RuntimeTestCase):
         blocks = [json.loads(block) for block in code_blocks(readme_section("How a run ends"), "json")]
         self.assertEqual(blocks, [retry["history"][0], scenario])
 
+    async def test_the_usage_shown_is_that_of_the_atlas_run(self):
+        (shown,) = code_blocks(readme_section("What a run costs its model"), "json")
+        result, _ = await run_scenario("token_limit")
+        self.assertEqual(json.loads(shown), result["usage"])
+
     def test_the_size_table_is_counted_from_the_modules_banners(self):
         with open(os.path.join(HERE, "agent_loop.py"), encoding="utf-8") as file:
             lines = file.read().splitlines()
@@ -49,9 +54,10 @@ class ReadmeTests(RuntimeTestCase):
         self.assertEqual(sum(whole), starts[6] - starts[1])
 
     def test_the_limits_table_gives_every_field_and_its_default(self):
-        rows = re.findall(r"^\| `(\w+)` \| ([\d.]+) \|", readme_section("Copy it into your own prototype"), re.M)
-        self.assertEqual([(name, float(default)) for name, default in rows],
-                         [(field.name, float(field.default)) for field in dataclasses.fields(Limits)])
+        rows = re.findall(r"^\| `(\w+)` \| ([\d.]+|None) \|", readme_section("Copy it into your own prototype"), re.M)
+        self.assertEqual([(name, None if default == "None" else float(default)) for name, default in rows],
+                         [(field.name, field.default if field.default is None else float(field.default))
+                          for field in dataclasses.fields(Limits)])
 
     async def test_the_pools_worker_goes_on_past_a_busy_database_and_the_loop_goes_on_while_it_asks(self):
         (example,) = code_blocks(readme_section("Many workers, one database"), "python")
