@@ -31,7 +31,7 @@ from agent_loop import (  # noqa: E402
 )
 
 
-# PART 17: the benchmark: what parallel batches and bounded waits buy, what the runtime costs, and the store's and the
+# The benchmark: what parallel batches and bounded waits buy, what the runtime costs, and the store's and the
 # pool's figures
 
 BENCH_WAIT = 0.05  # seconds each tool waits in the parallel-efficiency batches

@@ -18,7 +18,7 @@ from agent_loop import (  # noqa: E402
 from examples.orders import _catalog_accepted, _catalog_model, _raised_version, order_catalog  # noqa: E402
 
 
-# PART 20: the large tool set chapter's numbers: 300 entries, found, loaded on demand, and the gate's five boundaries
+# The large tool set chapter's numbers: 300 entries, found, loaded on demand, and the gate's five boundaries
 
 async def _catalog_run(catalog, grants, functions, before_the_call=lambda: None):
     """A run of the chapter's catalog, and the arguments of each time orders_get started."""

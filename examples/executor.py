@@ -22,7 +22,7 @@ from examples.orders import closed  # noqa: E402
 from examples.timeline import Timeline, _draw, _drawing_options, _svg_file  # noqa: E402
 
 
-# PART 19: the executor chapter's demo: five tools, each attempt under its own limit, retries, a cap on calls in flight
+# The executor chapter's demo: five tools, each attempt under its own limit, retries, a cap on calls in flight
 
 _KEY = closed(key={"type": "string", "maxLength": 40})
 EXECUTOR_TOOLS = {  # the chapter's five; its single batch of five is two here: a batch that holds a write is serial

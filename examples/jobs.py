@@ -16,7 +16,7 @@ from agent_loop import JobError, SqliteStore, Superseded, run_command  # noqa: E
 from examples.scenarios import run_scenario  # noqa: E402
 
 
-# PART 21: the long-running work chapter's experiments: a job's lifecycle, and the ways it fails, on a clock of its own
+# The long-running work chapter's experiments: a job's lifecycle, and the ways it fails, on a clock of its own
 
 def _job_store(folder, now, **options):
     """A store in folder's jobs.db on the clock now[0], leases of 2 seconds."""

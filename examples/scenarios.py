@@ -29,7 +29,7 @@ from examples.orders import (  # noqa: E402
 )
 
 
-# PART 16: the scenario atlas: one small, deterministic run per stop status, the later parts' too
+# The scenario atlas: one small, deterministic run per stop status, the later parts' too
 
 async def _hanging_model(history):
     await asyncio.sleep(10)

@@ -20,7 +20,7 @@ from agent_loop import DEMO_RUNS, Limits, run_command, demo, fake_model, run_age
 from examples.scenarios import ATLAS, _atlas_arguments, _atlas_command  # noqa: E402
 
 
-# PART 18: see a run: its decisions and calls drawn on a time axis
+# See a run: its decisions and calls drawn on a time axis
 
 SERVED = ("search_tools", "load_tools")  # the catalog's own tools, which the runtime answers itself
 

@@ -33,10 +33,10 @@ def load_tests(loader, tests, pattern):
     return tests
 
 
-# PART 17: the benchmark: what parallel batches and bounded waits buy, and what the runtime costs
+# The benchmark: what parallel batches and bounded waits buy, and what the runtime costs
 
 class BenchTests(unittest.TestCase):
-    """PART 17: the benchmark: its figures are checked for sanity, never for speed."""
+    """The benchmark: its figures are checked for sanity, never for speed."""
 
     def test_help_lists_the_commands_of_the_whole_module(self):
         done = run_command("--help")

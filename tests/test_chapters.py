@@ -21,10 +21,10 @@ from examples.executor import executor
 from examples.orders import _catalog_accepted, _catalog_model, order_catalog
 
 
-# PART 19: the executor chapter's demo
+# The executor chapter's demo
 
 class ExecutorTests(RuntimeTestCase):
-    """PART 19: the chapter's five tools: four reads in flight at once, each under its own limit or retries, then a
+    """The chapter's five tools: four reads in flight at once, each under its own limit or retries, then a
     write that fails once and never runs again."""
 
     async def test_the_reads_run_at_once_each_as_its_tool_says_and_the_write_runs_once(self):
@@ -55,7 +55,7 @@ class ExecutorTests(RuntimeTestCase):
 
 
 
-# PART 20: the large tool set chapter's numbers
+# The large tool set chapter's numbers
 
 def sent_after_the_load():
     """The catalog's part (tools, replayed turns) of the request each bridge sends once the chapter's run loaded."""
@@ -123,10 +123,10 @@ class CatalogNumbersTests(unittest.TestCase):
         self.assertEqual(figures, sent)
 
 
-# PART 21: the long-running work chapter's experiments
+# The long-running work chapter's experiments
 
 class JobsChapterTests(unittest.TestCase):
-    """PART 21: a job's lifecycle and its failures, on a clock of their own, one command, as the README shows it."""
+    """A job's lifecycle and its failures, on a clock of their own, one command, as the README shows it."""
 
     def test_the_command_prints_the_chapters_outcomes_and_the_readme_shows_them(self):
         done = run_script("jobs")

@@ -11,14 +11,7 @@ from tests.support import run_script, run_scripts, STATUSES
 from examples.scenarios import ATLAS, run_scenario
 
 
-# ======================================================================================================================
-# Around the runtime: the tests of the atlas, the benchmark and the timeline, then the README and the ownership
-# experiment. The helpers the tests start (a fake provider, a real MCP server, PostgreSQL, child processes that crash)
-# are at the end of the file.
-# ======================================================================================================================
-
-
-# PART 16: the scenario atlas: one small, deterministic run per stop status
+# The scenario atlas: one small, deterministic run per stop status
 
 ATLAS_EXPECTED = {  # name: (rounds, calls, credits, observation errors in order)
     "completed": (3, 3, 17, []),
@@ -40,10 +33,11 @@ ATLAS_EXPECTED = {  # name: (rounds, calls, credits, observation errors in order
     "invalid_arguments": (1, 0, 3, []),
     "repeat_limit": (3, 3, 15, ["temporary", "temporary"]),
     "tool_exception": (1, 2, 7, ["tool_exception"]),
+    "token_limit": (3, 3, 17, []),  # PART 16's
 }
 
 
-# What `python3 agent_loop.py scenarios` prints, written out (the README shows the same table).
+# What `python3 examples/scenarios.py` prints, written out (the README shows the same table).
 ATLAS_TABLE = """\
 scenario           status             rounds calls credits  what happened
 completed          completed               3     3      17  both reads in one parallel batch, then the plan; the answer passed the final check
@@ -93,7 +87,7 @@ WHY = {  # each atlas scenario's stop event, beyond event, status and used: why,
 
 
 class AtlasTests(RuntimeTestCase):
-    """PART 16: the scenario atlas: one run per stop status, its stop event, its table, its JSON and its command line."""
+    """The scenario atlas: one run per stop status, its stop event, its table, its JSON and its command line."""
 
     def test_every_stop_status_has_a_scenario_of_that_name_the_contracts_first(self):
         self.assertEqual(list(STOP_STATUSES[:len(STATUSES)]), STATUSES)  # later parts add theirs after

@@ -13,10 +13,10 @@ from test_agent_loop import any_answer, calls, final, HERE, ROOMY, run_command, 
 from tests.support import JOB_X, LeaseCase
 
 
-# PART 16: see a store
+# PART 17: see a store
 
 class SeeStoreTests(LeaseCase):
-    """PART 16: python3 agent_loop.py store PATH: a SQLite store's runs and jobs, a line each; a run followed."""
+    """PART 17: python3 agent_loop.py store PATH: a SQLite store's runs and jobs, a line each; a run followed."""
 
     def test_the_store_is_read_never_written_and_a_writer_holding_it_does_not_stop_the_reader(self):
         empty = os.path.join(self.folder, "empty.db")

@@ -28,7 +28,7 @@ from examples.scenarios import ATLAS, run_scenario
 from examples.timeline import _COLOURS, Timeline
 
 
-# PART 18: see a run: its decisions and calls drawn on a time axis
+# See a run: its decisions and calls drawn on a time axis
 
 def bars(drawing, label=30):
     """{lane label: (first column, last column, outcome)} of a text drawing's calls ('.' for one that never ran)."""
@@ -51,7 +51,7 @@ READ = {"type": "object", "properties": {"sku": {"type": "string"}}, "required":
 
 
 class TimelineTests(RuntimeTestCase):
-    """PART 18: a run drawn on a time axis: lanes, bars and outcomes, the SVG, and the drawings of the command line."""
+    """A run drawn on a time axis: lanes, bars and outcomes, the SVG, and the drawings of the command line."""
 
     async def drawn(self, fixtures, **options):
         timeline = Timeline()
@@ -316,7 +316,7 @@ class TimelineTests(RuntimeTestCase):
         self.assertTrue(accented.startswith("  cafe\u0301 读取库存" + " " * (28 - 13)))
 
 class TimelineRecorderTests(RuntimeTestCase):
-    """PART 18: a Timeline records a run without changing it, draws only a run it saw whole, and marks only limits that cut."""
+    """A Timeline records a run without changing it, draws only a run it saw whole, and marks only limits that cut."""
 
     async def test_a_timeline_that_recorded_another_runs_calls_or_decisions_draws_neither(self):
         for why in ("calls", "decisions"):
