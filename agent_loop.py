@@ -87,6 +87,8 @@ class ToolSpec:
     retries: int = 0  # a read's further attempts after a transient failure, unseen by the model (PART 12)
     backoff: tuple = (0.1, 2.0)  # (base, cap): before retry r, a random wait of up to min(cap, base * 2 ** (r - 1))
     job: bool = False  # its work is a durable job, submitted to the run's store (PART 15)
+    result_bytes: int | None = None  # its own limit on a result's size, in the run's place (PART 17)
+    result_schema: dict | bool | None = None  # the JSON Schema each of its results must meet (PART 17)
 
     @cached_property
     def _schema_check(self):  # the parameters, read once per ToolSpec (PART 1's tail)
@@ -125,6 +127,7 @@ class Limits:
     concurrency: int = 4  # the calls of a batch in flight at once
     job_seconds: float = 3_600.0  # each job's deadline, from when it is submitted (PART 15): an hour
     tokens: int | None = None  # the input and output tokens the model's replies may use, summed (PART 16): no limit
+    result_bytes: int | None = 1_048_576  # a call's result, as compact UTF-8 JSON (PART 17): a MiB; None, no limit
 
 
 class TemporaryError(Exception):
@@ -415,6 +418,16 @@ def _prepare(schema):
     check = _compile(schema)
     check.schema = _copy(schema)  # what the bridges offer: the schema as it was read here
     return check
+
+
+def _prepare_result(schema):
+    """The check of a tool's result against its result_schema (any JSON Schema), prepared: a function of the data
+    that returns where and why it does not match, or None; None if there is no schema. ValueError as _prepare."""
+    if schema is None:
+        return None
+    if type(schema) not in (dict, bool) or not _is_data(schema):
+        raise ValueError("result_schema must be a JSON Schema in plain JSON data within the limits")
+    return partial(_compile(schema, "result_schema"), path="result")
 
 
 # JSON Schema's pattern is an ECMA-262 regular expression. _ecma reads it as new RegExp(pattern, "u") does, in the
@@ -1240,8 +1253,11 @@ def _checked_registry(registry):
         if type(spec.backoff) is not tuple or len(spec.backoff) != 2 or not all(map(_a_time_limit, spec.backoff)) \
                 or spec.backoff[0] > spec.backoff[1]:
             raise ValueError(f"{name}: backoff must be (base, cap): seconds, 0 < base <= cap")
+        if spec.result_bytes is not None and (type(spec.result_bytes) is not int or spec.result_bytes < 1):
+            raise ValueError(f"{name}: result_bytes must be None or an int >= 1")
         try:
             spec._schema_check  # prepared once per ToolSpec, from its own copy of the schema
+            _prepare_result(spec.result_schema)  # (prepared again by the run that meets it: PART 17)
         except ValueError as problem:
             raise ValueError(f"{name}: {problem}") from None
     return dict(registry)
@@ -1816,8 +1832,8 @@ def _output(obs):
     if obs["ok"]:
         result = {"ok": True, "data": obs["data"]}
     else:
-        result = {"ok": False, **{key: obs[key] for key in ("error", "retryable", "reason", "error_type", "message")
-                                  if key in obs}}
+        result = {"ok": False, **{key: obs[key] for key in ("error", "retryable", "reason", "error_type", "message",
+                                                            "bytes", "limit") if key in obs}}
     return json.dumps(result, ensure_ascii=False)
 
 
@@ -2089,8 +2105,9 @@ def _either(value, camel, snake):
 
 
 def mcp_registry(listed, read_only=(), parallel_safe=(), cost=1):
-    """A registry of the MCP tools you name in read_only, each with the server's description and inputSchema.
-    A server's readOnlyHint is not a permission: only your read_only makes a tool runnable."""
+    """A registry of the MCP tools you name in read_only, each with the server's description, its inputSchema as
+    parameters and its outputSchema, if it has one, as result_schema (PART 17 checks each result against it). A
+    server's readOnlyHint is not a permission: only your read_only makes a tool runnable."""
     for names in (read_only, parallel_safe):
         if type(names) not in (list, tuple, set, frozenset) or not all(type(name) is str for name in names):
             raise ValueError("read_only and parallel_safe must be collections of tool names")
@@ -2110,7 +2127,8 @@ def mcp_registry(listed, read_only=(), parallel_safe=(), cost=1):
         description = _field(tool, "description")
         registry[name] = ToolSpec(cost, True, name in parallel_safe,
                                   description=description if type(description) is str else "",
-                                  parameters=_either(tool, "inputSchema", "input_schema"))
+                                  parameters=_either(tool, "inputSchema", "input_schema"),
+                                  result_schema=_either(tool, "outputSchema", "output_schema"))
     return _checked_registry(registry)  # a schema the strict check cannot honour is a ValueError naming the tool
 
 
@@ -2124,10 +2142,16 @@ class McpTools:
     """The tools object for run_agent: each call goes to an MCP client session, and its result comes back as
     plain data. A CallToolResult, as the protocol defines it, is a dict (or the SDK's object, read through
     model_dump()) with a list of content blocks, each a dict with a string type, and an isError that is absent,
-    null or a bool; anything else (None, a bare string, a JSON-RPC error envelope) raises McpResultError."""
+    null or a bool; anything else (None, a bare string, a JSON-RPC error envelope) raises McpResultError. A tool
+    whose registry entry has a result_schema (mcp_registry copies a tool's outputSchema) answers with its
+    structuredContent alone: a result without it has no data its schema admits (PART 17: invalid_result)."""
 
     def __init__(self, session):
-        self.session = session
+        self.session, self.structured = session, set()
+
+    def check_registry(self, registry):
+        """Before the model is asked: the tools of registry whose results are structured, remembered."""
+        self.structured |= {name for name, spec in (registry or {}).items() if spec.result_schema is not None}
 
     async def invoke(self, call):
         """Await session.call_tool(name, arguments); return a copy of its structured content, else of its content
@@ -2142,7 +2166,7 @@ class McpTools:
             # The server's message to the model, kept as data: MCP means it for the model to read and correct.
             raise ToolError("\n".join(text for text in texts if text)[:MAX_MESSAGE])
         structured = _either(result, "structuredContent", "structured_content")
-        if structured is not None:
+        if structured is not None or call["name"] in self.structured:
             data = structured
         elif len(blocks) == 1 and texts and texts[0] is not None:
             data = _json_or_text(texts[0])  # one text block holding JSON: how a server returns a dict without a schema
@@ -2569,14 +2593,15 @@ class _Writes(_Journal):
     write's verdict is saved before any call of its batch starts, and the write as handed to its tool, in a
     transaction of its own, before the tool has it: it gets its idempotency_key.
 
-    A batch with a write runs serially, and no call of it starts after one that has not succeeded (attempts). A write whose tool raised ToolError, TemporaryError or PermissionError did
-    not apply; one that timed out, was cut by the deadline or a cancel, raised anything else, or was found handed
-    and not observed after a crash, has an unknown outcome. The tools' reconcile(call) is then awaited, bounded like
-    a call: {"applied": true, "data": plain data} is a success marked "reconciled"; {"applied": false} is not_applied
-    (retryable), and must stay true: a request with that key still on its way must never apply (FunctionTools does
-    not ask while the write's thread runs); anything else leaves it unknown. A run with an unknown write pauses,
-    whatever stopped it (unknown_outcome, or the cancel or deadline that cut it), with result["unknown"], and nothing
-    after it in its batch starts; the next call settles it first (settle)."""
+    A batch with a write runs serially, and no call of it starts after one that has not succeeded (attempts). A write
+    whose tool raised ToolError, TemporaryError or PermissionError did not apply; one that timed out, was cut by the
+    deadline or a cancel, raised anything else, or was found handed and not observed after a crash, has an unknown
+    outcome. The tools' reconcile(call) is then awaited, bounded like a call: {"applied": true, "data": plain data} is a
+    success marked "reconciled"; {"applied": false} is not_applied (retryable), and must stay true: a request with that
+    key still on its way must never apply (FunctionTools does not ask while the write's thread runs); anything else
+    leaves it unknown. A run with an unknown write pauses, whatever stopped it (unknown_outcome, or the cancel or
+    deadline that cut it), with result["unknown"], and nothing after it in its batch starts; the next call settles it
+    first (settle)."""
 
     statuses = ("awaiting_approval", "approval_expired", "unknown_outcome")
     errors = ("rejected", "not_applied")
@@ -4568,10 +4593,10 @@ class _JobRuns(Part):
                     found = record["observations"][index] = await self._found(run, item, obs)
                 except Exception as error:
                     raise Stop("store_failed", error_type=_error_type(error)) from None
-                if found["ok"] or found["error"] in ("job_failed", "job_cancelled"):
+                if found["ok"] or found["error"] in ("job_failed", "job_cancelled"):  # (saved with the round: settle)
                     await run.emit({"event": "job", "round": record["round"], "call_id": item["call_id"],
                                     "job": found["job"], "state": "succeeded" if found["ok"] else found["error"],
-                                    **run.used}, spent=True)
+                                    **run.used})
         return value
 
     async def _found(self, run, item, obs):
@@ -4722,10 +4747,72 @@ def _usage_error(usage):
     return None
 
 
+# PART 17: what a tool returns, checked: a size limit, and a schema of its own
+
+@dataclass(eq=False)
+class ResultChecks(Part):
+    """Each successful call's data (a job's result included), checked before it enters history: its size, then its
+    schema. It meets every run with a limit (Limits.result_bytes is a MiB by default) or a tool with a result_schema.
+
+    Size: the data as compact JSON in UTF-8, its text not escaped (json.dumps(data, ensure_ascii=False,
+    separators=(",", ":"))), against the tool's ToolSpec.result_bytes, else the run's Limits.result_bytes (None: no
+    limit). Larger data becomes the observation result_too_large, with its "bytes" and the "limit", none of the
+    data: never cut, so the model never sees part of a result as the whole. The call is charged as made. A read's is
+    retryable (the model may ask for less; its retries, PART 12, are for transient failures only, not for this); a
+    write's is not: it applied, and asked again it would apply twice, so the run stops result_too_large.
+
+    Schema: ToolSpec.result_schema, a JSON Schema of any type, checked by the checker of parameters (the registry's
+    check refuses one it cannot honour, naming the tool). Data off its schema never enters history or a store: the
+    observation is invalid_result, which the model cannot retry (the tool broke its contract), saying where the data
+    failed; the run stops invalid_result, as for tool_exception: a parallel batch's other observations are kept, a
+    serial batch's later calls are batch_aborted. A write's result checked so is settled: its tool answered, it is not
+    reconciled."""
+
+    statuses = ("invalid_result", "result_too_large")  # (the second, a write's)
+    errors = ("result_too_large",)
+    settled = ("result_too_large", "invalid_result")
+    limits = ("result_bytes",)
+
+    checks: dict = field(default_factory=dict)  # tool name: (its spec, its size limit, its prepared schema check)
+
+    @classmethod
+    def join(cls, run, given):
+        limit = run.limits.result_bytes
+        if limit is not None and (type(limit) is not int or limit < 1):
+            raise ValueError("result_bytes must be None or an int >= 1")
+        if limit is None and all(spec.result_bytes is None and spec.result_schema is None
+                                 for spec in run.registry.values()) and run.registry_at is None:
+            return None
+        return cls()
+
+    async def after_call(self, run, obs, item):
+        """A call's data, checked: as it was, result_too_large or invalid_result."""
+        return self._checked(run, obs, item) if obs["ok"] else obs
+
+    async def settle(self, run, value):
+        """A resumed run's job calls that have found their jobs' results, checked as any call's data."""
+        record = run.history[-1] if run.history else {"calls": [], "observations": []}
+        for index, (item, obs) in enumerate(zip(record["calls"], record["observations"])):
+            if obs["ok"] and "job" in obs:
+                record["observations"][index] = self._checked(run, obs, item)
+        return value
+
+    def _checked(self, run, obs, item):
+        spec = run.registry[item["name"]]
+        if self.checks.get(item["name"], (None,))[0] is not spec:  # prepared once per run and tool
+            limit = spec.result_bytes if spec.result_bytes is not None else run.limits.result_bytes
+            self.checks[item["name"]] = spec, limit, _prepare_result(spec.result_schema)
+        _, limit, check = self.checks[item["name"]]
+        text = json.dumps(obs["data"], ensure_ascii=False, separators=(",", ":")) if limit is not None else ""
+        if limit is not None and (len(text) > limit or 4 * len(text) > limit and len(text.encode()) > limit):
+            return _failure(item, "result_too_large", spec.read_only, bytes=len(text.encode()), limit=limit)
+        why = check and check(obs["data"])
+        return _failure(item, "invalid_result", False, reason=why) if why else obs
+
 # The later parts, in the order they meet a run (see Part): each joins after those before it, and meets the run at
 # each seam after them; the journal after those that shape the run, as it checks what the store holds for the run as
 # they made it; the usage after the journal, as it counts again what the journal put back.
-PARTS = (ObservedRefusals, _CatalogRun, Attempts, _JobRuns, _Journal, _Writes, Usage)
+PARTS = (ObservedRefusals, _CatalogRun, Attempts, _JobRuns, ResultChecks, _Journal, _Writes, Usage)
 
 
 # ======================================================================================================================
@@ -4735,7 +4822,7 @@ PARTS = (ObservedRefusals, _CatalogRun, Attempts, _JobRuns, _Journal, _Writes, U
 # ======================================================================================================================
 
 
-# PART 17: see a store: its runs and jobs, a line each, and a run's events as they are saved
+# PART 18: see a store: its runs and jobs, a line each, and a run's events as they are saved
 
 def _until(holder, until, now):
     """Who holds a lease and until when, for a person: "-" if nobody does."""

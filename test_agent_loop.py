@@ -335,7 +335,7 @@ class SnapshotTests(unittest.TestCase):
     def test_registry_and_limits_have_the_contracts_values(self):
         self.assertEqual([f.name for f in dataclasses.fields(ToolSpec)],
                          ["cost", "read_only", "parallel_safe", "validate", "description", "parameters", "seconds",
-                          "retries", "backoff", "job"])
+                          "retries", "backoff", "job", "result_bytes", "result_schema"])
         self.assertEqual({name: (spec.cost, spec.read_only, spec.parallel_safe) for name, spec in TOOLS.items()},
                          {"read_partition": (2, True, True), "compute_plan": (4, True, False)})
         serial = dataclasses.replace(TOOLS["read_partition"], parallel_safe=False)

@@ -27,7 +27,8 @@ from functools import partial
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's root, for agent_loop
 
 from agent_loop import (  # noqa: E402
-    MODEL_COST, FunctionTools, Limits, SqlStore, TemporaryError, ToolSpec, _copy, run_command, call, run_agent,
+    DATA, MODEL_COST, SKUS, FunctionTools, Limits, SqlStore, TemporaryError, ToolSpec, _copy, run_command, call,
+    run_agent,
 )
 
 
@@ -370,8 +371,51 @@ def _show_retry_cost(number, spread, cell):
     print(f"   per retry      {cell(**spread)}")
 
 
+_ROWS = {"type": "object", "properties": {"rows": {"type": "array", "items": {"type": "object", "properties": {
+    "sku": {"type": "string", "enum": list(SKUS)}, "stock": {"type": "integer", "minimum": 0},
+    "target": {"type": "integer", "minimum": 0}, "unit_cents": {"type": "integer", "minimum": 0}},
+    "required": ["sku", "stock", "target", "unit_cents"], "additionalProperties": False}}},
+    "required": ["rows"], "additionalProperties": False}  # the demo's rows, as a result_schema would say them
+
+
+async def _result_check_cost(quick, runs=20, rounds=10):
+    """Microseconds the result checks (PART 17) cost a call, each against the same call without it: the schema
+    check of the demo's four rows, and measuring a result of 1 MB against a limit."""
+    async def rows(n):
+        return {"rows": DATA["north"] + DATA["south"]}
+
+    async def big(n):
+        return "x" * 1_000_000
+
+    async def timed(name, spec, limit):
+        registry, limits = {name: spec}, dataclasses.replace(_roomy(rounds, rounds), result_bytes=limit)
+        start = time.perf_counter()
+        await run_agent(_batches(name, 1), limits=limits, fixtures=FunctionTools({"rows": rows, "big": big}),
+                        registry=registry, accept=_accepts_nothing)
+        return time.perf_counter() - start
+
+    plain = ToolSpec(0, True, True, validate=lambda args: True)
+    figures = {"schema_us": [], "size_1mb_us": []}
+    for _ in range(3 if quick else 7):
+        for figure, name, checked, limit in (("schema_us", "rows", dataclasses.replace(plain, result_schema=_ROWS),
+                                              None),
+                                             ("size_1mb_us", "big", plain, 2_000_000)):
+            count = runs // 10 if name == "big" else runs
+            without = sum([await timed(name, plain, None) for _ in range(count)])
+            within = sum([await timed(name, checked, limit) for _ in range(count)])
+            figures[figure].append((within - without) / (count * rounds))
+    return {figure: _spread(samples, 1e6) for figure, samples in figures.items()}
+
+
+def _show_result_check_cost(number, figures, cell):
+    print(f"\n{number}. The checks of a result (PART 17), beyond the same call without them: microseconds per call")
+    print(f"   the demo's rows against a result_schema  {cell(**figures['schema_us'])}")
+    print(f"   a result of 1 MB against result_bytes    {cell(**figures['size_1mb_us'])}")
+
+
 # The figures beyond the first four, each (name, async measure(quick) -> figures, show(number, figures, cell)).
 BENCH_PARTS = (("concurrency_ms", _concurrency, _show_concurrency), ("retry_us", _retry_cost, _show_retry_cost),
+               ("result_checks_us", _result_check_cost, _show_result_check_cost),
                ("store_ms", _store_cost, _show_store_cost),
                ("postgres_store_ms", _postgres_store_cost, _show_postgres_store_cost),
                ("pool_runs_per_second", _pool_throughput, _show_pool),

@@ -136,9 +136,9 @@ class _Unsure(OrderDesk):
         return {"applied": "perhaps"}
 
 
-async def _order_run(store, fixtures, on_event=None, timeline=None, **options):
+async def _order_run(store, fixtures, on_event=None, timeline=None, registry=ORDER_TOOLS, **options):
     model, tools, watcher = _recorded(timeline, order_model, fixtures, on_event)
-    return await run_agent(model, registry=ORDER_TOOLS, accept=order_accepted, fixtures=tools, store=store,
+    return await run_agent(model, registry=registry, accept=order_accepted, fixtures=tools, store=store,
                            run_id="order", on_event=watcher, **options)
 
 
@@ -166,6 +166,15 @@ async def _unsure(on_event=None, timeline=None):
     with SqliteStore(":memory:") as store:
         fixtures = _Unsure(delays={}, failures={"place_order": ["timeout_after_apply"]})
         return await _order_run(store, fixtures, on_event, timeline, approve=lambda write: "approve"), fixtures
+
+
+async def _receipt_too_large(on_event=None, timeline=None):
+    """The order is placed, and its receipt is larger than place_order's own result_bytes: the run stops."""
+    with SqliteStore(":memory:") as store:
+        fixtures = OrderDesk(delays={})
+        registry = {**ORDER_TOOLS, "place_order": replace(ORDER_TOOLS["place_order"], result_bytes=64)}
+        return await _order_run(store, fixtures, on_event, timeline, approve=lambda write: "approve",
+                                registry=registry), fixtures
 
 
 async def _order_job(on_event=None, timeline=None, finished=True):
@@ -253,6 +262,9 @@ ATLAS = (
     ("tool_exception", "north had an internal fault; its message is not kept", {"failures": {"north": ["bug"]}}),
     ("token_limit", "each reply used 460 tokens; the third, the answer, took the run past tokens=1000 unread",
      {"model": _counted_model, "limits": {"tokens": 1000}}),
+    ("invalid_result", "each read returned two rows, where its result_schema allows one: neither was kept",
+     {"registry": {"read_partition": {"result_schema": {"type": "object", "properties": {
+         "rows": {"type": "array", "maxItems": 1}}}}}}),
     # The later parts' statuses, and runs that resumed (PART 10, 11, 13 and 15).
     ("superseded", "another process resumed the run while its reads ran: its next save was refused, nothing more "
                    "started", {"run": _taken_over, "drawn": False}),
@@ -270,6 +282,8 @@ ATLAS = (
      {"run": partial(_loaded_then, lambda catalog, granted: granted.discard("orders:read"))}),
     ("stale_definition", "orders_get was found and loaded, then raised to version 2: its call was refused",
      {"run": partial(_loaded_then, _raised_version)}),
+    ("result_too_large", "the order was placed and its receipt passed place_order's result_bytes of 64: the run "
+                         "stopped, rather than have the model place it again", {"run": _receipt_too_large}),
     ("awaiting_job", "the order was a job: the run submitted it, and paused without a lease until it ends",
      {"run": partial(_order_job, finished=False)}),
     ("job_done", "the order job was placed by a worker, and the run, called again, answered with its receipt",

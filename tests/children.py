@@ -16,7 +16,7 @@ import agent_loop
 from agent_loop import call, fake_model, Fixtures, Limits, run_agent, scripted, TemporaryError, ToolSpec
 from test_agent_loop import any_answer, calls, read_file, ROOMY, SLOW_ROOMY
 from tests.support import JOB_LEASE, JOB_RUN_OPTIONS
-from tests.servers import mcp_server
+from tests.servers import mcp_lowlevel_server, mcp_server
 from examples.orders import _catalog_accepted, _catalog_model, JOB_ORDER_TOOLS, order_accepted, order_catalog, order_model, ORDER_TOOLS, OrderDesk, receipt_accepted, receipt_model
 
 
@@ -449,7 +449,8 @@ def counted_run(path, ready, crash):
     asyncio.run(main())
 
 
-CHILDREN = {"mcp_server": mcp_server, "crashing_run": crashing_run, "writing_run": writing_run,
+CHILDREN = {"mcp_server": mcp_server, "mcp_lowlevel_server": mcp_lowlevel_server, "crashing_run": crashing_run,
+            "writing_run": writing_run,
             "pool_worker": pool_worker, "frozen_worker": frozen_worker, "catalog_run": catalog_run,
             "retrying_run": retrying_run,
             "job_worker": job_worker, "job_run": job_run, "slow_run": slow_run, "cancel_run": cancel_run,

@@ -5,6 +5,7 @@ import asyncio
 import functools
 import glob
 import itertools
+import json
 import os
 import shutil
 import socket
@@ -57,6 +58,41 @@ def mcp_server():
         with open(os.environ["MCP_PIDFILE"], "w") as pidfile:
             pidfile.write(str(os.getpid()))
     server.run()
+
+
+def mcp_lowlevel_server():
+    """A low-level MCP server, written with the official package's Server: each tool declares an outputSchema, and
+    two break it, one answering off it, one without structuredContent; the SDK lane's tests run it over stdio."""
+    import anyio
+    import mcp.types as types
+    from mcp.server.lowlevel import Server
+    from mcp.server.stdio import stdio_server
+
+    stock = {"type": "object", "properties": {"sku": {"type": "string"}, "stock": {"type": "integer"}},
+             "required": ["sku", "stock"], "additionalProperties": False}
+    sku = {"type": "object", "properties": {"sku": {"type": "string"}}, "required": ["sku"]}
+    answers = {  # a tool: its result
+        "well": {"sku": "A-1", "stock": 12},
+        "off_schema": {"sku": "A-1", "stock": "a private count"},
+        "unstructured": None,
+    }
+
+    async def list_tools(context, params):
+        return types.ListToolsResult(tools=[types.Tool(name=name, description=f"Stock, {name}.", input_schema=sku,
+                                                       output_schema=stock) for name in answers])
+
+    async def call_tool(context, params):
+        answer = answers[params.name]
+        text = types.TextContent(type="text", text=json.dumps(answer or {"sku": "A-1", "stock": 12}))
+        return types.CallToolResult(content=[text], structured_content=answer)
+
+    server = Server("results-test", on_list_tools=list_tools, on_call_tool=call_tool)
+
+    async def main():
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+
+    anyio.run(main)
 
 
 def postgres_binaries():

@@ -44,10 +44,11 @@ LISTED = {"tools": [
 
 def snake_case(value):
     """What the official SDK 2.x's model_dump() gives: the same fields, spelt in snake_case."""
-    names = {"inputSchema": "input_schema", "isError": "is_error", "structuredContent": "structured_content",
-             "readOnlyHint": "read_only_hint"}
+    names = {"inputSchema": "input_schema", "outputSchema": "output_schema", "isError": "is_error",
+             "structuredContent": "structured_content", "readOnlyHint": "read_only_hint"}
     if type(value) is dict:
-        return {names.get(key, key): item if key in ("inputSchema", "structuredContent") else snake_case(item)
+        return {names.get(key, key): item if key in ("inputSchema", "outputSchema", "structuredContent")
+                else snake_case(item)
                 for key, item in value.items()}
     return [snake_case(item) for item in value] if type(value) is list else value
 

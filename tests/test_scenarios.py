@@ -34,6 +34,7 @@ ATLAS_EXPECTED = {  # name: (rounds, calls, credits, observation errors in order
     "repeat_limit": (3, 3, 15, ["temporary", "temporary"]),
     "tool_exception": (1, 2, 7, ["tool_exception"]),
     "token_limit": (3, 3, 17, []),  # PART 16's
+    "invalid_result": (1, 2, 7, ["invalid_result", "invalid_result"]),  # PART 17's
 }
 
 

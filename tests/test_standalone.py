@@ -126,7 +126,8 @@ class LaterPartsTests(unittest.TestCase):
 
     def test_the_parts_meet_a_run_in_the_order_of_one_tuple(self):
         self.assertEqual([kind.__name__ for kind in agent_loop.PARTS],
-                         ["ObservedRefusals", "_CatalogRun", "Attempts", "_JobRuns", "_Journal", "_Writes", "Usage"])
+                         ["ObservedRefusals", "_CatalogRun", "Attempts", "_JobRuns", "ResultChecks", "_Journal", "_Writes",
+                          "Usage"])
         self.assertEqual(set(agent_loop.Part.__subclasses__()) | {agent_loop._Writes}, set(agent_loop.PARTS))
         source = inspect.getsource(agent_loop)
         self.assertEqual(source.count("__subclasses__"), 0)  # nothing else says in what order parts come
