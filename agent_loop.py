@@ -905,12 +905,12 @@ async def run_agent(model=fake_model, *, limits=None, fixtures=None, cancel=None
             if "spent" in run.seams:  # (a run pays nothing for a seam none of its parts has)
                 await run.seam("spent")  # paid: a crash from here on keeps this round and its credits spent
             decision = await _decision(run, model)  # our own copy, made the moment the model returned it
+            said = await run.seam("reply", {}, decision) if "reply" in run.seams else {}  # (a later part's own keys)
             run.time_left()
 
             # Read the decision: a final answer, or a batch of calls that preflight admits whole.
             if type(decision) is not dict:
                 raise Stop("invalid_decision", reason="a decision is a dict")
-            said = await run.seam("reply", {}, decision) if "reply" in run.seams else {}  # (a later part's own keys)
             await run.emit({"event": "decision", "round": turn, "kind": _kind(decision), **run.used, **said})
             try:
                 answer, batch, ids, signatures = _read(decision, run)
@@ -1097,7 +1097,7 @@ class Part:
         return value
 
     async def reply(self, run, said, decision):
-        """A reply (a dict, ours), before it is read: a part takes its keys out; said: what its event adds."""
+        """A reply (ours), as it arrives, before it is read: a part takes its keys out; said: what its event adds."""
         return said
 
     async def gate(self, run, observations, record, calls):
@@ -2294,11 +2294,13 @@ class _Journal(Part):
     serial batch, the batch's observations, a refusal, the end; a run that may write saves more (_Writes). A crash
     keeps what was saved, and the same call later resumes the run (resume): used, history, the ledger and the repeat
     counts as they were (a "resumed" event marks the join), its deadline counting from its first start (less any
-    time paused). A decision the crash cut stays paid: the model is asked anew. A batch it cut is charged whole
-    (_cut): each call once, and each retry its saved "retry" events say was about to start; each call without an
-    observation is interrupted (retryable). Then what the last round waits for is asked about (settle: a job's end,
-    a write's outcome), the rest of a serial batch that waited for it runs, the resume is saved, and a round whose
-    observations say the run stopped stops it again. Before each call starts, the claim is checked: a fenced process
+    time paused). A decision the crash cut stays paid: the model is asked anew. A batch it cut is charged for each
+    call that may have started (_cut: any of a parallel batch; of a serial one, the first without an observation,
+    if the rules let it start), once, and once more for each retry its saved "retry" events say was about to start;
+    each such call is interrupted (retryable). Then what the last round waits for is asked about (settle: a job's
+    end, a write's outcome), the rest of a serial batch runs (or is aborted, as the rules say), the resume is saved,
+    and a round whose observations say the run stopped stops it again. A store that fails before the run starts
+    ends it store_failed, unsaved. Before each call starts, the claim is checked: a fenced process
     starts nothing. The config compared on resume holds the registry's names, costs, permissions, job flags and
     schemas, and the limits: a tool's validate and description are not compared (a function cannot be)."""
 
@@ -2363,12 +2365,12 @@ class _Journal(Part):
                 await _off_the_loop(store, store.give_back, run_id, False)
 
     async def _load(self, run):
-        """The run as saved, checked: ValueError for one of another version or config, or that is not such data, or
-        if the store failed before the run could start (a lock held, a broken file)."""
+        """The run as saved, checked: ValueError for one of another version or config, or that is not such data;
+        Stop("store_failed") if the store failed (a lock held too long, a broken file): the run ends so, unsaved."""
         try:
             saved, why = await _off_the_loop(self.store, self.store.load, self.run_id), None
         except Exception as error:
-            raise ValueError(f"{self.run_id}: the store failed: {_error_type(error)}") from None
+            raise self._refused(error) from None
         registry = run.registry  # with what its history loaded from a catalog (PART 13), if the run has one
         if run.registry_at is not None and _has_keys(saved, _SAVED_KEYS) and type(saved["history"]) is list:
             registry = run.registry_at(saved["history"])
@@ -2395,10 +2397,10 @@ class _Journal(Part):
                     self.generation = await _off_the_loop(self.store, self.store.claim, self.run_id, self.config,
                                                           time.time(), waits=True)
                 except Exception as error:
-                    raise ValueError(f"{self.run_id}: the store failed: {_error_type(error)}") from None
+                    raise self._refused(error) from None
                 self.holding = True
                 saved = await self._load(run)  # again: another process may have gone on with the run in between
-        except ValueError:  # refused: a lease taken for it goes back (a run this code cannot resume, set aside)
+        except (ValueError, Stop):  # refused, or the store failed: a lease taken goes back (set aside: unresumable)
             if self.holding:
                 await self.close(run, None)
             elif callable(getattr(self.store, "give_back", None)):
@@ -2441,7 +2443,8 @@ class _Journal(Part):
         # run someone asked to cancel meanwhile, whose next save ends it.
         await run.emit({"event": "resumed", "round": run.used["rounds"], **run.used})
         record = run.history[-1] if run.history else None
-        observed, charged = _cut(record, run.trace, self.writes) if record and self.waits != "approval" else ((), ())
+        observed, charged = _cut(record, run.trace, self.writes, _parallel(run.registry, record["calls"])) \
+            if record and self.waits != "approval" else ((), ())
         if observed:  # admitted, then the crash: any call of the rest may have started, and each retry kept did
             run.used["calls"] += len(charged)
             run.used["credits"] += _cost(run.registry, charged)
@@ -2461,6 +2464,7 @@ class _Journal(Part):
         aborted = [index for index, obs in enumerate(done) if obs.get("error") == "batch_aborted"]
         if aborted and not any(map(_fatal, done[:aborted[0]])):
             del done[aborted[0]:]  # settled: the calls that never started after it run now
+        if len(done) < len(record["calls"]):  # and those of a serial batch a crash cut before they started
             await _act(run, record)
         await self._save(run)
         _stop_if_fatal(record)
@@ -2672,8 +2676,9 @@ class _Writes(_Journal):
 
     async def attempts(self, run, observe, calls):
         """In a batch that holds a write (run one call at a time), once a call has not succeeded (any error, or an
-        outcome not yet known), the calls after it do not start: each is observed batch_aborted, retryable, naming
-        that call, and is never charged. The model decides again with what happened."""
+        outcome not yet known), the calls after it do not start, and are never charged: after a failure the model may
+        retry, each is observed batch_aborted, retryable, naming that call, and the model decides again (after one
+        that ends or pauses the run, the article's batch_aborted: the run stops there, or is settled first)."""
         record = run.history[-1]  # (the batch being run: its observations so far, the resumed ones too)
         if all(run.registry[item["name"]].read_only for item in record["calls"]):
             return observe
@@ -2756,12 +2761,19 @@ class _Writes(_Journal):
         return _failure(item, "unknown_outcome", False, reason="the write may have applied: reconcile could not tell")
 
 
-def _cut(record, trace, writes):
-    """What becomes of a batch a crash cut: (the observation of each call of record that has none, the calls it is
-    charged for). Any of them may have started: a write saved as handed to its tool has an unknown outcome, any other
-    call is interrupted (retryable). Each is charged once, and once more for each retry its saved "retry" events say
-    was about to start (PART 12): a resume, cancel_run and the check of a saved run charge alike."""
-    cut = {item["call_id"]: item for item in record["calls"][len(record["observations"]):]}
+def _cut(record, trace, writes, parallel):
+    """What becomes of a batch a crash cut: (the observation of each call of record that may have started and has none,
+    the calls it is charged for). In a parallel batch any call may have started; in a serial one, only the first without
+    an observation, if the rules let it start after those observed (each is saved before the next starts): the calls
+    after it never started, and run on resume (or are aborted there, as the rules say). A write saved as handed to its
+    tool has an unknown outcome, any other call is interrupted (retryable). Each is charged once, and once more for each
+    retry its saved "retry" events say was about to start (PART 12): a resume, cancel_run and the check of a saved run
+    charge alike."""
+    done, rest = record["observations"], record["calls"][len(record["observations"]):]
+    # Held back: after a failure the model cannot retry (_act), or any, in a batch with a write (_Writes.attempts).
+    held = done and not done[-1]["ok"] and (not done[-1]["retryable"] or any(item["call_id"] in writes
+                                                                              for item in record["calls"]))
+    cut = {item["call_id"]: item for item in (rest if parallel else () if held else rest[:1])}
     retried = [cut[event["call_id"]] for event in trace if type(event) is dict and event.get("event") == "retry"
                and event.get("round") == record["round"] and type(event.get("call_id")) is str
                and event["call_id"] in cut]
@@ -2868,7 +2880,7 @@ def _a_saved_run(saved, registry, limits):
     if (last["round"] not in refused or cut) and any(item["name"] not in registry or type(item["arguments"]) is not
                                                      dict for item in last["calls"]):
         return False
-    _, charged = _cut(last, trace, state["writes"])  # as a resume charges it
+    _, charged = _cut(last, trace, state["writes"], _parallel(registry, last["calls"]))  # as a resume charges it
     return used["calls"] + len(charged) <= limits.calls and used["credits"] + _cost(registry, charged) <= limits.credits
 
 
@@ -2937,13 +2949,16 @@ def _on_its_thread(method):
 
 
 def _cancellable(record, state, config, events):
-    """A saved run's last round (an empty one if it has none), its state, its tools' costs (name: cost) and its
-    trace, read from their stored text for cancel_run; None for what a store does not write (a hand-edited one)."""
+    """A saved run's last round (an empty one if it has none), its state, its tools' costs (name: cost), its trace,
+    and whether its last batch ran in parallel (a call of a tool the config does not hold, a catalog's, may have),
+    read from their stored text for cancel_run; None for what a store does not write (a hand-edited one)."""
     try:
         record = json.loads(record) if record else {"round": 0, "calls": [], "observations": []}
         state = {"writes": {}, **(json.loads(state) if state else _NOTHING_SAVED)}
-        costs = {name: spec[0] for name, spec in (json.loads(config)["registry"] if config else {}).items()}
+        registry = json.loads(config)["registry"] if config else {}
+        costs = {name: spec[0] for name, spec in registry.items()}
         trace = [json.loads(body) for body in events]
+        parallel = all(registry.get(item["name"], [0, True, True])[1:3] == [True, True] for item in record["calls"])
     except (TypeError, ValueError, LookupError, AttributeError):
         return None
 
@@ -2957,7 +2972,7 @@ def _cancellable(record, state, config, events):
             and type(state["writes"]) is dict and all(type(write) is dict for write in state["writes"].values())
             and type(state.get("used")) is dict and ints(*(state["used"].get(key) for key in _NOTHING_USED))
             and ints(*costs.values()))
-    return (record, state, costs, trace) if fits else None
+    return (record, state, costs, trace, parallel) if fits else None
 
 
 class _Database:
@@ -3304,8 +3319,8 @@ class _Runs:
             saved = _cancellable(last and last[0], row[1], row[3], events)
             if saved is None:  # not what a store writes: the run's resume sets it aside, saying so
                 raise ValueError(f"{run_id}: what the store holds for it is not a run this version saved")
-            record, state, costs, trace = saved
-            observed, charged = _cut(record, trace, state["writes"])  # as the run's resume would
+            record, state, costs, trace, parallel = saved
+            observed, charged = _cut(record, trace, state["writes"], parallel)  # as the run's resume would
             crashed = bool(observed) and row[2] != "approval"  # a crash cut the batch: any call of it may have started
             unknown = crashed and any(obs["error"] == "unknown_outcome" or obs["name"] not in costs for obs in observed)
             # A worker holds it, a write may have applied (a crash cut it once handed to its tool, or it waits for its
@@ -3318,9 +3333,10 @@ class _Runs:
                 used = state["used"]
                 state = {**state, "used": {**used, "calls": used["calls"] + len(charged), "credits": used["credits"] +
                                            sum(costs[item["name"]] for item in charged)}}
-            if observed:  # a crash cut it (interrupted), or it waited for approvals: then none of it started
-                record["observations"] += observed if crashed else [
-                    _failure(obs, "cancelled", False) for obs in observed]
+            if len(record["observations"]) < len(record["calls"]):  # a crash cut it, or it waited for approvals
+                record["observations"] += observed if crashed else []
+                record["observations"] += [_failure(item, "cancelled", False)  # what never started
+                                           for item in record["calls"][len(record["observations"]):]]
                 self._sql("UPDATE agent_loop_records SET body = ? WHERE run_id = ? AND round = ?",
                           (json.dumps(record), run_id, record["round"]))
             stop = {"event": "stop", "status": "cancelled", **state["used"], "by": row[4] or by, "run_id": run_id}
@@ -4658,13 +4674,16 @@ class Usage(Part):
     """What each reply of the model used, counted; and Limits.tokens, a limit that fails safe. It meets every run.
 
     A decision may carry "usage": {"input_tokens": n, "output_tokens": n}, and "cached_input_tokens" and
-    "reasoning_tokens" if it has them, each an int >= 0: input, every token the request carried (those read from a
-    cache among them, cached); output, every token of the reply (those spent reasoning among them, reasoning). A usage
-    that is not such a dict is invalid_decision, naming the key. A decision without it reported nothing; the bridges
+    "reasoning_tokens" if it has them, each an int, 0 <= n < 2**31: input, every token the request carried (those read
+    from a cache among them, cached); output, every token of the reply (those spent reasoning among them, reasoning).
+    A usage that is not such a dict is invalid_decision, naming the key (if it is a name). A reply whose usage is
+    refused, or that the token limit stops, has no decision event: the stop event says why, and carries the totals,
+    that reply's counts among them. A decision without usage reported nothing; the bridges
     (PART 8) read it from every reply, whatever the run makes of it. Once a reply has reported usage, or under a token
     limit, result["usage"] (and the stop event) holds {"requests": every decision paid for, the sum of each of USAGE,
-    "unreported": those whose reply said nothing, or that a stop or a crash cut before it came}; used and the
-    article's budgets are not touched. The decision event of a reply that reported carries its "usage".
+    "unreported": those whose reply said nothing, came too late to be read (a cancel, the deadline or model_seconds
+    overtook it: the run's stop wins) or was cut by a crash before it was saved}; used and the budgets are not
+    touched. The decision event of a reply that reported carries its "usage".
 
     Limits.tokens bounds input plus output tokens over the run, checked the moment a reply arrives: a reply that takes
     the run past it ends it token_limit, none of its calls started and its answer unchecked, and stays counted. Under
@@ -4689,17 +4708,16 @@ class Usage(Part):
         return cls()
 
     async def resume(self, run, ended):
-        """What a saved run's replies used, counted again from its trace; an ended run's, as its stop event said."""
-        if ended is not None:
-            stop = ended["trace"][-1] if ended["trace"] else {}
-            return {**ended, "usage": stop["usage"]} if "usage" in stop else ended
-        self.sums, self.reported = _trace_usage(run.trace)
-        return ended
+        """What a saved run's replies used, counted again from its trace (an ended run's too: it is returned with
+        them, whoever ended it, cancel_run or the run)."""
+        self.sums, self.reported = _trace_usage(run.trace if ended is None else ended["trace"])
+        return ended if ended is None else {**ended, **self._named(run.limits, ended["used"]["rounds"])}
 
     async def reply(self, run, said, decision):
-        """The reply's usage, taken out of the decision, checked and counted; then the token limit."""
+        """The reply's usage, taken out of the decision, checked and counted; then the token limit. (A reply that is
+        no dict reported nothing; the run refuses it.)"""
         tokens = run.limits.tokens
-        if "usage" not in decision:
+        if type(decision) is not dict or "usage" not in decision:
             if tokens is not None:
                 raise Stop("token_limit", reason="the model reported no usage: a token limit cannot be checked")
             return said
@@ -4715,10 +4733,12 @@ class Usage(Part):
         return {**said, "usage": usage}
 
     async def named(self, run, names):
-        if not self.reported and run.limits.tokens is None:
-            return names
-        requests = run.used["rounds"]
-        return {**names, "usage": {"requests": requests, **self.sums, "unreported": requests - self.reported}}
+        return {**names, **self._named(run.limits, run.used["rounds"])}
+
+    def _named(self, limits, requests):
+        if not self.reported and limits.tokens is None:
+            return {}
+        return {"usage": {"requests": requests, **self.sums, "unreported": max(0, requests - self.reported)}}
 
 
 def _trace_usage(trace):
@@ -4741,9 +4761,9 @@ def _usage_error(usage):
         return "usage must be a dict of token counts"
     for key in (*USAGE[:2], *usage):
         if key not in USAGE:
-            return f"usage: {key} is not a count of tokens"
-        if type(usage.get(key)) is not int or usage[key] < 0:
-            return f"usage: {key} must be an int >= 0"
+            return f"usage: {key if _readable(key) else 'a key'} is not a count of tokens"
+        if type(usage.get(key)) is not int or not 0 <= usage[key] <= _MOST:
+            return f"usage: {key} must be an int, 0 <= n < 2**31"
     return None
 
 
@@ -4847,7 +4867,8 @@ def _tokens(sql):
     """The input and output tokens each run's replies reported, by run id, for the runs whose replies reported any."""
     traces = {}
     for run_id, body in sql("SELECT run_id, body FROM agent_loop_events WHERE body LIKE '%\"usage\"%' ORDER BY seq"):
-        traces.setdefault(run_id, []).append(json.loads(body))
+        with contextlib.suppress(ValueError):  # (an event that is no JSON says nothing of tokens)
+            traces.setdefault(run_id, []).append(json.loads(body))
     counted = {run_id: _trace_usage(trace) for run_id, trace in traces.items()}
     return {run_id: sums["input_tokens"] + sums["output_tokens"] for run_id, (sums, reported) in counted.items()
             if reported}

@@ -214,7 +214,8 @@ class JobRunTests(LeaseCase):
         paused = await run_agent(scripted(calls(call("a", "ja", x=1), call("b", "jb", x=2))), **JOB_RUN_OPTIONS,
                                  store=store, run_id="serial")
         self.assertEqual([(obs["call_id"], obs["error"]) for obs in observations(paused)],
-                         [("a", "awaiting_job"), ("b", "interrupted")])  # b never started: it waited for a
+                         [("a", "awaiting_job"), ("b", "batch_aborted")])  # b never started: it waited for a
+        self.assertEqual(paused["used"]["calls"], 1)
         self.assertEqual(self.jobs_of(store), [(1, "ja", "queued")])
 
     async def test_a_submit_that_outlived_its_time_limit_is_the_same_job_not_a_second(self):

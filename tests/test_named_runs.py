@@ -83,9 +83,12 @@ class SavedRunTests(StoreTestCase):
                 self.assertEqual((result["status"], result["trace"][-1]["error_type"]),
                                  ("store_failed", type(raised).__name__))
                 self.assertNoPrivateText(result)
-        store = dict_store()
-        store.load = lambda run_id: (_ for _ in ()).throw(ValueError("private"))
-        await self.assertRefusedBeforeTheModelIsAsked("job: the store failed: ValueError", store=store, run_id="job")
+        store, asked = dict_store(), []
+        store.load = lambda run_id: (_ for _ in ()).throw(ValueError("private"))  # not your mistake: the run's end
+        result = await run_agent(scripted(asked.append), store=store, run_id="job", limits=ROOMY)
+        self.assertEqual((result["status"], result["trace"][-1]["error_type"], asked), ("store_failed", "ValueError",
+                                                                                       []))
+        self.assertNoPrivateText(result)
         for path in (None, 5):
             with self.subTest(path=path), self.assertRaises(ValueError) as raised:
                 agent_loop.SqliteStore(path)

@@ -134,6 +134,38 @@ class ReadmeTests(RuntimeTestCase):
         with agent_loop.SqlStore(connect) as store:
             self.assertEqual(store.runnable(), ["later"])
 
+    async def test_the_pools_worker_goes_on_past_a_database_busy_as_it_claims_a_run(self):
+        (example,) = code_blocks(readme_section("Many workers, one database"), "python")
+        folder = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, folder)
+        where = os.path.join(folder, "runs.db")
+        with agent_loop.SqliteStore(where) as store:
+            store.add("a")
+            store.add("b")
+        holder = sqlite3.connect(where, isolation_level=None, check_same_thread=False)
+        self.addCleanup(holder.close)
+        claims = []
+
+        class SqlStore(agent_loop.SqlStore):  # another writer holds the database as the first run is claimed
+            def claim(self, run_id, config, started):
+                claims.append(run_id)
+                if len(claims) == 1:
+                    holder.execute("BEGIN IMMEDIATE")
+                try:
+                    return super().claim(run_id, config, started)
+                finally:
+                    if holder.in_transaction:
+                        holder.execute("ROLLBACK")
+
+        namespace = {"SqlStore": SqlStore, "run_agent": run_agent, "asyncio": asyncio}
+        exec(compile(example, "README.md", "exec"), namespace)
+        connect = lambda: sqlite3.connect(where, isolation_level=None, timeout=0.2, check_same_thread=False)  # noqa
+        await asyncio.wait_for(namespace["worker"](connect, agent_loop.fake_model, Fixtures(delays={}), None), 60)
+        with agent_loop.SqliteStore(where) as store:  # the first claim failed: that run went back, and ran later
+            self.assertEqual([store.load(run_id)["status"] for run_id in "ab"], ["completed", "completed"])
+        self.assertEqual(claims[:1], ["a"])
+        self.assertEqual(sorted(claims), ["a", "a", "b"])
+
     def test_the_own_prototype_example_runs_as_written(self):
         example = [block for block in code_blocks(readme_section("Copy it into your own prototype"), "python")
                    if "def check(answer, history)" in block]

@@ -3,6 +3,7 @@ them that fails safe, kept with a named run.
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import io
 import json
@@ -10,7 +11,9 @@ import os
 import shutil
 import sqlite3
 import tempfile
+import time
 import unittest
+import unittest.mock
 
 import agent_loop
 from agent_loop import call, fake_model, Fixtures, Limits, run_agent, scripted
@@ -96,15 +99,19 @@ class UsageTests(RuntimeTestCase):
 
     async def test_a_usage_that_is_not_counts_of_tokens_is_invalid_decision_naming_the_key(self):
         for usage, reason in (
-                (used(-1, 5), "usage: input_tokens must be an int >= 0"),
-                (used(10, 2.0), "usage: output_tokens must be an int >= 0"),
-                (used(True, 5), "usage: input_tokens must be an int >= 0"),
-                (used("10", 5), "usage: input_tokens must be an int >= 0"),
-                (used(10, 5, cached_input_tokens=None), "usage: cached_input_tokens must be an int >= 0"),
+                (used(-1, 5), "usage: input_tokens must be an int, 0 <= n < 2**31"),
+                (used(10, 2.0), "usage: output_tokens must be an int, 0 <= n < 2**31"),
+                (used(True, 5), "usage: input_tokens must be an int, 0 <= n < 2**31"),
+                (used("10", 5), "usage: input_tokens must be an int, 0 <= n < 2**31"),
+                (used(10, 5, cached_input_tokens=None), "usage: cached_input_tokens must be an int, 0 <= n < 2**31"),
                 (used(10, 5, total_tokens=15), "usage: total_tokens is not a count of tokens"),
-                ({"input_tokens": 10}, "usage: output_tokens must be an int >= 0"),
+                ({"input_tokens": 10}, "usage: output_tokens must be an int, 0 <= n < 2**31"),
                 ([10, 5], "usage must be a dict of token counts"),
-                (None, "usage must be a dict of token counts")):
+                (None, "usage must be a dict of token counts"),
+                (used(2**31, 5), "usage: input_tokens must be an int, 0 <= n < 2**31"),
+                (used(10, 5, **{"\ud800": 1}), "usage: a key is not a count of tokens"),  # named only if a name
+                (used(10, 5, **{"x" * 81: 1}), "usage: a key is not a count of tokens"),
+                ({**used(10, 5), (1, 2): 1}, "usage: a key is not a count of tokens")):
             with self.subTest(usage=usage):
                 fixtures = Fixtures()
                 result = await run_agent(scripted({**READS, "usage": usage}), fixtures=fixtures, limits=ROOMY)
@@ -123,6 +130,30 @@ class UsageTests(RuntimeTestCase):
             with self.subTest(tokens=tokens):
                 await self.assertRefusedBeforeTheModelIsAsked("tokens must be None or an int >= 1",
                                                               limits=Limits(tokens=tokens))
+
+
+class UsageAtTheEdgesTests(RuntimeTestCase):
+    """PART 16: a reply the run's stop overtook is never read (a set cancel wins, a late reply is late): it counts
+    unreported, and the run ends as it would have."""
+
+    async def test_a_reply_that_arrives_with_a_cancel_or_past_the_deadline_counts_unreported(self):
+        cancel = asyncio.Event()
+
+        async def cancelling(history):
+            cancel.set()
+            return {**final(PLAN), "usage": used(500, 50)}
+
+        self.allowBlockingSteps()
+
+        async def late(history):  # a plain client's call on the loop, late: the run's deadline passes while it blocks
+            time.sleep(0.3)
+            return {**final(PLAN), "usage": used(500, 50)}
+
+        limits = Limits(total_seconds=0.1, model_seconds=5, tokens=100)
+        stopped = await run_agent(cancelling, cancel=cancel, limits=dataclasses.replace(ROOMY, tokens=100))
+        overtaken = await run_agent(late, limits=limits)
+        self.assertEqual((stopped["status"], stopped["usage"]), ("cancelled", totals(1, 0, 0, unreported=1)))
+        self.assertEqual((overtaken["status"], overtaken["usage"]), ("deadline", totals(1, 0, 0, unreported=1)))
 
 
 class BridgeUsageTests(RuntimeTestCase):
@@ -171,7 +202,7 @@ class BridgeUsageTests(RuntimeTestCase):
         model = agent_loop.responses_model(Recorder(reply), "Plan the restock.")
         result = await run_agent(model, limits=ROOMY)
         self.assertEqual((result["status"], result["trace"][-1]["reason"]),
-                         ("invalid_decision", "usage: output_tokens must be an int >= 0"))
+                         ("invalid_decision", "usage: output_tokens must be an int, 0 <= n < 2**31"))
 
     async def test_a_reply_cut_off_at_its_own_max_tokens_counts(self):
         cut = {**responses_reply(message(output_text('{"snap')), status="incomplete", reason="max_output_tokens"),
@@ -252,6 +283,20 @@ class NamedRunUsageTests(StoreTestCase):
         self.assertEqual((ended["status"], again["usage"]), ("token_limit", totals(3, 230, 35)))
         self.assertEqual(again["usage"], ended["usage"])
 
+    async def test_a_run_cancelled_from_the_store_is_returned_again_with_its_usage(self):
+        store = self.store()
+        options = dict(fixtures=OrderDesk(delays={}), store=store, run_id="order", registry=ORDER_TOOLS,
+                       accept=order_accepted, limits=dataclasses.replace(ROOMY, tokens=10_000))
+        paused = await run_agent(counting(order_model), approve=lambda write: "ask", **options)
+        self.assertEqual(store.cancel_run("order"), "cancelled")
+        again = await run_agent(counting(order_model), **options)
+        self.assertEqual((again["status"], again["usage"], paused["usage"]), ("cancelled", totals(3, 30, 3),
+                                                                             totals(3, 30, 3)))
+        store.add("never")
+        store.cancel_run("never")
+        never = await run_agent(counting(order_model), **{**options, "run_id": "never"})
+        self.assertEqual((never["status"], never["usage"]), ("cancelled", totals(0, 0, 0)))
+
     async def test_a_token_limit_is_part_of_what_a_run_is_resumed_with(self):
         store = self.store()
         options = dict(fixtures=OrderDesk(delays={}), store=store, run_id="order", registry=ORDER_TOOLS,
@@ -304,6 +349,15 @@ class StoreViewUsageTests(StoreTestCase):
         self.assertIn("17 credits, 265 tokens", lines["counted"])
         self.assertIn("17 credits, 265 tokens", lines["limited"])  # the reply that passed the limit included
         self.assertNotIn("tokens", lines["silent"])
+        with contextlib.closing(sqlite3.connect(path)) as db:  # an event damaged by hand: its run's tokens unknown
+            db.execute("UPDATE agent_loop_events SET body = body || 'x' WHERE run_id = 'limited'")
+            db.commit()
+        out = io.StringIO()
+        with unittest.mock.patch("sys.stdout", out):
+            await agent_loop.see_store(path)
+        lines = {line.split()[1]: line for line in out.getvalue().splitlines()}
+        self.assertEqual((sorted(lines), "265 tokens" in lines["counted"], "tokens" in lines["limited"]),
+                         (["counted", "limited", "silent"], True, False))
 
 
 COUNTED_LIMITS = Limits(tool_seconds=600, model_seconds=600, total_seconds=600, calls=8, credits=40)

@@ -22,7 +22,9 @@ import unittest.mock
 
 import agent_loop
 from agent_loop import call, Limits, run_agent, scripted, ToolSpec
-from test_agent_loop import calls, code_blocks, final, never_accept, PLAN, readme_section, ROOMY, SLOW_ROOMY, wait_until
+from test_agent_loop import (
+    calls, code_blocks, final, never_accept, observations, PLAN, readme_section, ROOMY, SLOW_ROOMY, wait_until,
+)
 from tests.support import dict_store, order_errors, run_in_a_process, StoreTestCase
 from examples.orders import order_accepted, order_model, ORDER_TOOLS, OrderDesk
 
@@ -453,7 +455,7 @@ class WriteTests(StoreTestCase):
         self.assertEqual((done["status"], desk.started, order_errors(done)), ("completed", ["r3-order"], []))
         self.assertEqual(done["used"], {"rounds": 4, "calls": 4, "credits": 23})  # the order charged once
 
-    async def test_a_batch_a_crash_cut_once_its_writes_were_decided_is_charged_and_interrupted_not_run_again(self):
+    async def test_a_batch_a_crash_cut_once_its_writes_were_decided_is_charged_for_what_may_have_started(self):
         started, hang = [], threading.Event()
         self.addCleanup(hang.set)
 
@@ -482,8 +484,65 @@ class WriteTests(StoreTestCase):
         await asyncio.gather(task, return_exceptions=True)
         done = await run_agent(model, **options)
         self.assertEqual((done["status"], started), ("completed", ["read"]))  # nothing of the batch ran again
-        self.assertEqual([obs["error"] for obs in done["history"][0]["observations"]], ["interrupted"] * 2)
-        self.assertEqual(done["used"]["calls"], 2)  # both charged: either may have started
+        read, place = done["history"][0]["observations"]
+        self.assertEqual([(obs["error"], obs["retryable"]) for obs in (read, place)],
+                         [("interrupted", True), ("batch_aborted", True)])  # the read may have started; the write not
+        self.assertEqual((place["reason"], done["used"]["calls"]), ("r1 did not succeed: nothing after it started", 1))
+
+    async def test_a_serial_batch_a_crash_cut_after_a_failure_was_saved_resumes_with_nothing_after_it_started(self):
+        """Each observation of a serial batch is saved before the next call starts: what a crash cut after a saved
+        failure never started, and its resume and cancel_run charge none of it."""
+        started, saved, hold = [], threading.Event(), threading.Event()
+        self.addCleanup(hold.set)
+
+        def read(x):
+            started.append(x)
+            if x == "a":
+                raise agent_loop.ToolError("no such row")
+            return {"x": x}
+
+        def write(x, idempotency_key):
+            started.append(x)
+            return {"x": x}
+
+        class Dying(agent_loop.SqliteStore):  # it saves a's failure, then the process dies (it hangs: we cut it)
+            def save(self, run_id, generation, state, records, events, end=None):
+                super().save(run_id, generation, state, records, events, end)
+                if any(not obs["ok"] for record in records for obs in record["observations"]):
+                    saved.set()
+                    hold.wait(30)
+
+        registry = {"r": ToolSpec(1, True, False, parameters=agent_loop._closed(x={"type": "string"})),
+                    "w": ToolSpec(3, False, False, parameters=agent_loop._closed(x={"type": "string"}))}
+        batch = calls(call("a", "r", x="a"), call("b", "w", x="b"), call("d", "r", x="d"))
+        options = dict(registry=registry, fixtures=agent_loop.FunctionTools({"r": read, "w": write}),
+                       accept=lambda answer, history: answer == "done", run_id="x", approve=lambda write: "approve",
+                       limits=SLOW_ROOMY)
+        folder = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, folder)
+        path = os.path.join(folder, "runs.db")
+        dying = Dying(path)
+        self.addCleanup(dying.close)
+        cut = asyncio.create_task(run_agent(scripted(batch, final("done")), store=dying, **options))
+        await asyncio.to_thread(saved.wait, 30)
+        cut.cancel()  # the crash: a's failure saved, nothing after it
+        hold.set()
+        await asyncio.gather(cut, return_exceptions=True)
+        with agent_loop.SqliteStore(path) as other:
+            cancelled_copy = os.path.join(folder, "copy.db")
+            with contextlib.closing(sqlite3.connect(cancelled_copy)) as copy:
+                other.db.backup(copy)
+            done = await run_agent(scripted(batch, final("done")), store=other, **options)
+        self.assertEqual((done["status"], started), ("completed", ["a"]))
+        self.assertEqual([(obs["error"], obs["retryable"], obs.get("reason")) for obs in observations(done)],
+                         [("tool_error", True, None)] + [("batch_aborted", True, "a did not succeed: nothing after it "
+                                                          "started")] * 2)
+        self.assertEqual(done["used"], {"rounds": 2, "calls": 1, "credits": 7})  # a alone, and two decisions
+        with agent_loop.SqliteStore(cancelled_copy) as copy:  # the same saved state, cancelled instead
+            self.assertEqual(copy.cancel_run("x"), "cancelled")
+            ended = copy.load("x")
+        self.assertEqual((ended["state"]["used"], [obs["error"] for obs in ended["history"][0]["observations"]]),
+                         ({"rounds": 1, "calls": 1, "credits": 4}, ["tool_error", "cancelled", "cancelled"]))
 
     async def test_a_write_asked_about_after_a_rejected_one_has_a_clock_of_its_own(self):
         async def model(history):  # an order, and another under a new call id if it was rejected
